@@ -1,0 +1,7 @@
+"""kvserve: LLM inference and serving on PyTorch (paged KV cache, continuous batching, chunked prefill)."""
+from kvserve.engine.llm import LLM
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

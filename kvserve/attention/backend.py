@@ -1,0 +1,51 @@
+"""The attention-backend contract: how KV is laid out, and how attention reads it through block tables.
+
+The model runner builds one `CommonAttentionMetadata` per step (backend-independent, from the scheduler's
+block tables); a backend turns it into its own metadata once, and every attention layer of the step reuses
+it. The CPU backend lives in `torch_sdpa.py`; a GPU kernel backend plugs in behind the same protocol.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Per-step batch layout. Requests with exactly one query token ("decodes") come first."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int64, cumulative query lengths
+    seq_lens: torch.Tensor         # [B] int64, context + query length after this step
+    block_table: torch.Tensor      # [B, max_blocks] int64, padded with 0
+    slot_mapping: torch.Tensor     # [T] int64, KV slot of every query token (block_id * block_size + offset)
+    num_decodes: int               # rows [0, num_decodes) have query length 1
+    num_decode_tokens: int
+    block_size: int
+    query_lens_cpu: list[int]      # same as diff(query_start_loc), as Python ints (no host sync to read)
+    seq_lens_cpu: list[int]
+
+
+class AttentionBackend(Protocol):
+    """Reads and writes the paged KV cache of one layer.
+
+    Contract: `forward` first writes k/v of every query token at `slot_mapping`, then computes causal
+    attention of each query token over its request's positions [0, its position], reading K/V through
+    the block table. GQA: num_heads is a multiple of num_kv_heads.
+    """
+
+    name: str
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's KV tensor."""
+        ...
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Backend metadata for one step; built once, read by every layer."""
+        ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: Any, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into kv_cache."""
+        ...

@@ -1,0 +1,108 @@
+"""CPU attention backend: PyTorch scaled_dot_product_attention over K/V gathered through block tables.
+
+Decodes (one query token each) are batched into one SDPA call over their contexts padded to the longest;
+prefill chunks run one SDPA call each. A chunk that starts at position 0 attends to its own k/v directly
+(nothing to gather); later chunks gather their context from the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backend import CommonAttentionMetadata
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int                 # first row of this chunk in the flattened batch
+    q_len: int
+    context_len: int             # tokens before this chunk (already in the cache)
+    gather_idx: torch.Tensor | None  # [context_len + q_len] slots; None when context_len == 0
+    mask: torch.Tensor | None        # [q_len, context_len + q_len] bool; None when causal from 0
+
+
+@dataclass
+class TorchSDPAMetadata:
+    slot_mapping: torch.Tensor        # [T]
+    num_decode_tokens: int
+    decode_gather_idx: torch.Tensor | None  # [Bd, Lmax] slots (padding points at slot 0, masked out)
+    decode_mask: torch.Tensor | None        # [Bd, 1, 1, Lmax] bool, True = attend
+    prefills: list[PrefillChunk]
+
+
+def _token_slots(block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_table_row[positions // block_size] * block_size + positions % block_size
+
+
+class TorchSDPABackend:
+    name = "torch_sdpa"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        # NOTE: K and V of a slot sit side by side so that one gather fetches both.
+        return (num_blocks, block_size, 2, num_kv_heads, head_dim)
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
+        bs = common.block_size
+        nd = common.num_decodes
+        decode_gather_idx = decode_mask = None
+        if nd:
+            seq_lens = common.seq_lens[:nd]                                  # [Bd]
+            max_len = max(common.seq_lens_cpu[:nd])
+            pos = torch.arange(max_len)                                      # [Lmax]
+            valid = pos[None, :] < seq_lens[:, None]                         # [Bd, Lmax]
+            pos_c = torch.where(valid, pos[None, :], 0)
+            table = common.block_table[:nd]
+            decode_gather_idx = torch.gather(table, 1, pos_c // bs) * bs + pos_c % bs
+            decode_mask = valid[:, None, None, :]
+        prefills = []
+        starts = common.query_start_loc.tolist()
+        for i in range(nd, len(common.seq_lens_cpu)):
+            q_len = common.query_lens_cpu[i]
+            seq_len = common.seq_lens_cpu[i]
+            ctx = seq_len - q_len
+            gather_idx = mask = None
+            if ctx > 0:
+                gather_idx = _token_slots(common.block_table[i], torch.arange(seq_len), bs)
+                # query j sits at position ctx + j and may see positions <= ctx + j (bottom-right causal)
+                mask = torch.arange(seq_len)[None, :] <= (torch.arange(q_len)[:, None] + ctx)
+            prefills.append(PrefillChunk(starts[i], q_len, ctx, gather_idx, mask))
+        return TorchSDPAMetadata(common.slot_mapping, common.num_decode_tokens, decode_gather_idx,
+                                 decode_mask, prefills)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: TorchSDPAMetadata, scale: float) -> torch.Tensor:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        flat = kv_cache.view(-1, 2, num_kv_heads, head_dim)                  # [slots, 2, Hkv, D]
+        flat.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))
+        out = torch.empty_like(q)                                           # [T, Hq, D]
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], flat, meta, scale)
+        for p in meta.prefills:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            if p.gather_idx is None:
+                ks, vs = k[rows], v[rows]
+            else:
+                kv = flat[p.gather_idx]                                      # [S, 2, Hkv, D]
+                ks, vs = kv[:, 0], kv[:, 1]
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True)
+            out[rows] = o.transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, flat: torch.Tensor, meta: TorchSDPAMetadata, scale: float) -> torch.Tensor:
+        bd, num_heads, head_dim = q.shape
+        kv = flat[meta.decode_gather_idx]                                    # [Bd, Lmax, 2, Hkv, D]
+        num_kv_heads = kv.shape[3]
+        group = num_heads // num_kv_heads
+        # NOTE: the query heads of one KV head act as SDPA's "sequence" axis, so GQA needs no K/V repeat
+        # and one batched call serves every decode.
+        qg = q.view(bd, num_kv_heads, group, head_dim)                       # [Bd, Hkv, G, D]
+        ks = kv[:, :, 0].transpose(1, 2)                                     # [Bd, Hkv, Lmax, D]
+        vs = kv[:, :, 1].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=meta.decode_mask, scale=scale)
+        return o.reshape(bd, num_heads, head_dim)

@@ -1,0 +1,243 @@
+"""`kvserve kv-calc`: how much memory the KV cache of a model needs, and how many sequences fit.
+
+KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element. Grouped-query
+attention shows up through `num_key_value_heads` (MHA when absent, MQA when 1).
+
+Registered as a subcommand by `kvserve/cli/main.py` through `add_arguments` and `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from kvserve.utils.sizes import format_size, parse_size
+
+__all__ = ["KV_DTYPE_BYTES", "add_arguments", "run", "kv_bytes_per_token", "load_model_config"]
+
+# Bytes per KV element; "auto" is resolved from the model config (see _resolve_kv_dtype).
+KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+# Spellings of torch dtypes that can appear in config.json's "torch_dtype" / "dtype".
+_CONFIG_DTYPE_NAMES = {
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+}
+_EXIT_USAGE = 2  # argparse's exit status for bad arguments; we use it for every user error
+
+
+def _get(config: Any, key: str) -> Any:
+    """Read `key` from a transformers config object or a config.json dict (None if absent)."""
+    if isinstance(config, Mapping):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+def _require_positive_int(config: Any, key: str) -> int:
+    value = _get(config, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"model config field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _attention_shape(config: Any) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a decoder config."""
+    num_layers = _require_positive_int(config, "num_hidden_layers")
+    num_heads = _require_positive_int(config, "num_attention_heads")
+    # No num_key_value_heads means plain multi-head attention (one KV head per query head).
+    num_kv_heads = num_heads if _get(config, "num_key_value_heads") is None else _require_positive_int(config, "num_key_value_heads")
+    if _get(config, "head_dim") is not None:
+        head_dim = _require_positive_int(config, "head_dim")
+    else:
+        head_dim = _require_positive_int(config, "hidden_size") // num_heads
+    return num_layers, num_kv_heads, head_dim
+
+
+def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
+    """KV-cache bytes one token occupies across all layers: 2 × layers × kv_heads × head_dim × dtype_bytes.
+
+    `config` is a transformers config or a config.json dict. `num_key_value_heads` falls back to
+    `num_attention_heads` (MHA) when absent; `head_dim` to `hidden_size // num_attention_heads`.
+
+    Raises:
+        ValueError: a required field is missing or not a positive integer, or `dtype_bytes` is
+            not a positive integer.
+    """
+    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
+        raise ValueError(f"dtype_bytes must be a positive integer, got {dtype_bytes!r}")
+    num_layers, num_kv_heads, head_dim = _attention_shape(config)
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def load_model_config(model: str) -> Any:
+    """Load a model config from a HF folder, a config.json path, or a `.gguf` file.
+
+    Returns a dict for config.json (so any architecture's fields can be read, not only those
+    transformers knows) and a `LlamaConfig` for GGUF files. Multimodal configs that nest the
+    language model under `text_config` return that nested dict.
+
+    Raises:
+        FileNotFoundError: the path, or config.json inside the folder, does not exist.
+        ValueError: the file is not valid JSON / GGUF.
+    """
+    if os.path.isdir(model):
+        config_path = os.path.join(model, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"model folder {model} has no config.json")
+    elif os.path.isfile(model):
+        if model.endswith(".gguf"):
+            from kvserve.models.gguf_loader import load_gguf_config  # imports torch: only when needed
+
+            return load_gguf_config(model)
+        config_path = model
+    else:
+        raise FileNotFoundError(f"model not found: {model} (expected a HF model folder, a config.json or a .gguf file)")
+
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config_path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        text_config = dict(config["text_config"])
+        for key in ("torch_dtype", "dtype"):
+            text_config.setdefault(key, config.get(key))
+        return text_config
+    return config
+
+
+def _resolve_kv_dtype(kv_dtype: str, config: Any) -> str:
+    if kv_dtype != "auto":
+        if kv_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"--kv-dtype must be one of auto, {', '.join(KV_DTYPE_BYTES)}; got {kv_dtype!r}")
+        return kv_dtype
+    # transformers 5 writes "dtype", 4.x "torch_dtype"; GGUF configs have neither.
+    config_dtype = _get(config, "dtype") or _get(config, "torch_dtype")
+    if config_dtype is None:
+        return "float16"
+    name = str(config_dtype).removeprefix("torch.")
+    if name not in _CONFIG_DTYPE_NAMES:
+        raise ValueError(f"cannot derive a KV dtype from the model's dtype {name!r}; pass --kv-dtype explicitly")
+    return _CONFIG_DTYPE_NAMES[name]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `kv-calc` flags to `parser` (a subcommand parser or a standalone one)."""
+    parser.add_argument(
+        "--model", required=True, help="HF model folder (with config.json), a config.json file, or a .gguf file"
+    )
+    parser.add_argument(
+        "--context", type=int, default=None, help="tokens per sequence (default: the model's max_position_embeddings)"
+    )
+    parser.add_argument("--batch", type=int, default=1, help="number of sequences (default: 1)")
+    parser.add_argument(
+        "--memory", default=None, help="memory available for the KV cache, e.g. 2GiB, 512MiB, 80GB, 1e9"
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", *KV_DTYPE_BYTES],
+        help="KV element type (default auto: the model's dtype, float16 when it has none)",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON object instead of a report")
+
+
+def _compute(args: argparse.Namespace) -> dict[str, Any]:
+    """The report as a dict; raises FileNotFoundError/ValueError on user errors."""
+    if args.batch <= 0:
+        raise ValueError(f"--batch must be a positive integer, got {args.batch}")
+    if args.context is not None and args.context <= 0:
+        raise ValueError(f"--context must be a positive integer, got {args.context}")
+    memory_bytes = None
+    if args.memory is not None:
+        memory_bytes = parse_size(args.memory)
+        if memory_bytes <= 0:
+            raise ValueError(f"--memory must be positive, got {args.memory!r}")
+
+    config = load_model_config(args.model)
+    kv_dtype = _resolve_kv_dtype(args.kv_dtype, config)
+    dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
+    num_layers, num_kv_heads, head_dim = _attention_shape(config)
+    per_token = kv_bytes_per_token(config, dtype_bytes)
+
+    context = args.context
+    if context is None:
+        context = _get(config, "max_position_embeddings")
+        if not isinstance(context, int) or context <= 0:
+            raise ValueError("the model config has no max_position_embeddings; pass --context")
+
+    per_sequence = per_token * context
+    report: dict[str, Any] = {
+        "model": args.model,
+        "num_layers": num_layers,
+        "num_attention_heads": _get(config, "num_attention_heads"),
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "kv_dtype": kv_dtype,
+        "kv_dtype_bytes": dtype_bytes,
+        "kv_bytes_per_token": per_token,
+        "context": context,
+        "batch": args.batch,
+        "kv_bytes_per_sequence": per_sequence,
+        "kv_bytes_total": per_sequence * args.batch,
+        "kv_gib_total": per_sequence * args.batch / 1024**3,
+    }
+    if memory_bytes is not None:
+        report["memory_bytes"] = memory_bytes
+        report["max_tokens_in_memory"] = memory_bytes // per_token
+        report["max_sequences_in_memory"] = memory_bytes // per_sequence
+        report["batch_fits"] = per_sequence * args.batch <= memory_bytes
+    return report
+
+
+def _format_report(r: dict[str, Any]) -> str:
+    num_heads, num_kv_heads = r["num_attention_heads"], r["num_kv_heads"]
+    attention = "MHA" if num_kv_heads == num_heads else "MQA" if num_kv_heads == 1 else "GQA"
+    lines = [
+        f"model            {r['model']}",
+        f"attention        {r['num_layers']} layers, {num_heads} heads, {num_kv_heads} KV heads ({attention}), head_dim {r['head_dim']}",
+        f"KV dtype         {r['kv_dtype']} ({r['kv_dtype_bytes']} bytes)",
+        f"KV per token     {r['kv_bytes_per_token']:,} bytes ({format_size(r['kv_bytes_per_token'])})",
+        f"KV per sequence  {r['kv_bytes_per_sequence']:,} bytes at {r['context']:,} tokens ({format_size(r['kv_bytes_per_sequence'])})",
+        f"KV total         {r['kv_bytes_total']:,} bytes for batch {r['batch']} ({r['kv_gib_total']:.3f} GiB)",
+    ]
+    if "memory_bytes" in r:
+        fits = "fits" if r["batch_fits"] else "does NOT fit"
+        lines += [
+            f"memory           {r['memory_bytes']:,} bytes ({format_size(r['memory_bytes'])}): batch {r['batch']} {fits}",
+            f"fits             {r['max_sequences_in_memory']:,} sequences of {r['context']:,} tokens "
+            f"({r['max_tokens_in_memory']:,} tokens in all)",
+        ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `kv-calc` with parsed `args`; print the report (or JSON) and return the exit status.
+
+    Returns 0 on success and 2 on a user error (missing file, bad size, non-positive
+    context/batch), after printing the reason to stderr.
+    """
+    try:
+        report = _compute(args)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"kvserve kv-calc: error: {exc}", file=sys.stderr)
+        return _EXIT_USAGE
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_format_report(report))
+    return 0
+
+
+if __name__ == "__main__":  # for development only; users go through `kvserve kv-calc`
+    _parser = argparse.ArgumentParser(prog="kvserve kv-calc", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

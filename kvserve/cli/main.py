@@ -1,0 +1,51 @@
+"""`kvserve` console script: one subcommand per module, each exposing add_arguments(parser) and run(args)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module, help). `bench` has its own sub-subcommands.
+_COMMANDS = {
+    "serve": ("kvserve.server.cli", "serve the OpenAI-compatible HTTP API"),
+    "generate": ("kvserve.cli.generate", "generate completions offline (prompts from arguments or a JSONL file)"),
+    "kv-calc": ("kvserve.cli.kv_calc", "KV-cache memory calculator (reads only the model config)"),
+}
+_BENCH = {
+    "offline": ("kvserve.bench.offline", "offline throughput vs transformers, same run"),
+    "serve": ("kvserve.bench.serve", "replay a workload against an OpenAI-compatible server"),
+}
+
+
+def _add(sub, name: str, module: str, help_text: str) -> None:
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    mod = importlib.import_module(module)
+    mod.add_arguments(parser)
+    parser.set_defaults(_run=mod.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference and serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in _COMMANDS.items():
+        _add(sub, name, module, help_text)
+    bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline run alongside")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, (module, help_text) in _BENCH.items():
+        _add(bench_sub, name, module, help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args) or 0
+    except ValueError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""EngineArgs: every engine flag in one frozen dataclass; the CLI and `LLM(**kwargs)` are generated from it.
+
+Flag names follow vLLM's (`--max-num-seqs`, `--max-num-batched-tokens`, `--block-size`, ...) so users can
+switch without rereading docs. Derived values (resolved dtype, pool size) live on the engine, not here.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+from kvserve.utils.sizes import parse_size
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = field(default=None, metadata={
+        "help": "Hugging Face folder or .gguf file; default: the built-in SmolLM2-135M-Instruct GGUF"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+        "choices": _DTYPES})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda", "choices": ("auto", "cpu", "cuda")})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
+    kv_cache_memory: str = field(default="2GiB", metadata={
+        "help": "KV-cache pool size on CPU, e.g. 2GiB or 512MiB"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "fraction of GPU memory for weights + activations + KV cache (CUDA only)"})
+    num_gpu_blocks_override: int | None = field(default=None, metadata={
+        "help": "use exactly this many KV blocks (tests, experiments); overrides the memory budget"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt + output in tokens; default: the model's max_position_embeddings"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running in one step"})
+    max_num_batched_tokens: int = field(default=512, metadata={
+        "help": "most tokens (prefill chunks + decodes) in one forward pass"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split long prompts over several steps so decodes keep flowing"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of prompt prefixes already computed"})
+    max_logprobs: int = field(default=20, metadata={"help": "largest logprobs a request may ask for"})
+    seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "torch intra-op threads on CPU; default: torch's own choice"})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        parse_size(self.kv_cache_memory)  # raises ValueError naming the bad text
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)
+
+    # ---- CLI generation -------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One `--flag-name` per field, with the field's default, type and help."""
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            hint = hints[f.name]
+            kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help")}
+            if hint is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+                continue
+            base = int if hint in (int, int | None) else float if hint is float else str
+            parser.add_argument(flag, type=base, choices=f.metadata.get("choices"), **kwargs)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(model=model, **kwargs)

@@ -1,0 +1,225 @@
+"""Engine: add_request / abort_request / step, over scheduler -> model runner -> output processor.
+
+    step():  scheduler.schedule() -> runner.execute() -> scheduler.update() -> output processor
+
+Everything here is single-threaded; the server runs it in a background loop (AsyncEngine).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.config import EngineArgs
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.kv_cache.block_pool import BlockPool
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.models.loader import (ModelSource, build_model, iter_checkpoint_tensors, load_hf_config,
+                                   load_tokenizer, load_weights)
+from kvserve.models.registry import resolve_architecture
+from kvserve.outputs import RequestOutput
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvserve.worker.model_runner import ModelRunner, kv_bytes_per_token
+
+logger = logging.getLogger("kvserve")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # NOTE: no native bf16 matmul on the AVX2 CPUs we target (under 1 GFLOP/s): fp32 there.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Engine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        source = ModelSource.resolve(args.model)
+        self.hf_config = load_hf_config(source)
+        self.architecture, _ = resolve_architecture(self.hf_config)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.max_model_len = self._resolve_max_model_len(args)
+        self.tokenizer = load_tokenizer(source)
+        self.eos_token_ids = self._eos_token_ids()
+
+        backend = TorchSDPABackend()
+        model = build_model(self.hf_config, backend, self.max_model_len, self.dtype, self.device)
+        load_weights(model, iter_checkpoint_tensors(source, self.dtype))
+        model.eval()
+
+        self.kv_layout = self._size_kv_cache(args)
+        self.runner = ModelRunner(model, backend, self.kv_layout.num_blocks, args.block_size, self.dtype,
+                                  self.device)
+        self.block_pool = BlockPool(self.kv_layout.num_blocks)
+        kv_manager = KVCacheManager(self.block_pool, args.block_size, args.enable_prefix_caching)
+        batched = args.max_num_batched_tokens
+        if not args.enable_chunked_prefill:
+            batched = max(batched, self.max_model_len)  # a whole prompt must fit one step
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, self.max_model_len,
+                                                   args.enable_chunked_prefill), kv_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._aborted: list[Request] = []
+        self.model_name = args.model or "SmolLM2-135M-Instruct"
+        self._log_kv_cache()
+
+    # ---- set-up helpers -----------------------------------------------------------------------
+    def _resolve_max_model_len(self, args: EngineArgs) -> int:
+        limit = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2048)
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and getattr(self.hf_config, "use_sliding_window", True):
+            # NOTE: sliding-window attention is not implemented; within the window it equals full attention.
+            limit = min(limit, int(window))
+        if args.max_model_len is None:
+            return limit
+        if args.max_model_len > limit:
+            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's limit of {limit} tokens")
+        return args.max_model_len
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = getattr(self.hf_config, "eos_token_id", None)
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(ids)
+
+    def _size_kv_cache(self, args: EngineArgs) -> KVCacheLayout:
+        per_token = kv_bytes_per_token(self.hf_config, self.dtype)
+        per_block = per_token * args.block_size
+        if args.num_gpu_blocks_override is not None:
+            num_blocks = args.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - args.gpu_memory_utilization) * total
+            num_blocks = int(budget // per_block)
+        else:
+            num_blocks = args.kv_cache_memory_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV-cache budget holds no block of {per_block} bytes; raise --kv-cache-memory "
+                             "or --gpu-memory-utilization")
+        return KVCacheLayout(num_blocks, args.block_size, per_token)
+
+    def _log_kv_cache(self) -> None:
+        c, kv = self.hf_config, self.kv_layout
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %d bytes/token "
+            "= 2 x %d layers x %d kv_heads x %d head_dim x %d B; max concurrency at max_model_len %d: %.2fx",
+            kv.num_blocks, kv.block_size, kv.num_tokens, kv.num_bytes, kv.num_bytes / 2**30, kv.bytes_per_token,
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, elem, self.max_model_len,
+            kv.num_tokens / self.max_model_len)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Checks a request fits this engine; returns its resolved max_tokens. Raises ValueError."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, but max_model_len is {self.max_model_len} "
+                             "(the prompt plus at least one generated token must fit)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens "
+                             f"exceeds max_model_len ({self.max_model_len})")
+        blocks = -(-(n + max_tokens) // self.kv_layout.block_size)
+        if blocks > self.kv_layout.num_blocks:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks, but the "
+                             f"whole pool has {self.kv_layout.num_blocks} (raise --kv-cache-memory)")
+        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs ({self.args.max_logprobs})")
+        for tid in list(params.logit_bias or {}) + params.stop_token_ids:
+            if tid >= vocab:
+                raise ValueError(f"token id {tid} (logit_bias / stop_token_ids) is outside the vocabulary "
+                                 f"of {vocab}")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    prompt_text: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request (n samples become n child sequences). Raises ValueError if it cannot run."""
+        params = params or SamplingParams()
+        if request_id in self.scheduler.requests or self.output_processor.group_children(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize_prompt(prompt)
+        max_tokens = self.validate(token_ids, params)
+        if prompt_text is None and isinstance(prompt, str):
+            prompt_text = prompt
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            gen = None if child_params.seed is None else torch.Generator().manual_seed(child_params.seed)
+            salt = None
+            if params.n > 1 and not self.args.enable_prefix_caching:
+                salt = f"n-group:{request_id}"  # share the prompt among the samples only
+            child = Request(request_id if params.n == 1 else f"{request_id}#{i}", token_ids, child_params,
+                            self.eos_token_ids, max_tokens, cache_salt=salt, generator=gen)
+            child.timings.arrival = arrival
+            children.append(child)
+        self.output_processor.add_group(request_id, prompt_text, children)
+        for i, child in enumerate(children):
+            self.scheduler.add_request(child, wait_for=children[0] if i else None)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (all its samples); its blocks are released now and its final output has
+        finish_reason "abort". Unknown or finished ids are ignored."""
+        children = self.output_processor.group_children(request_id)
+        for child in children:
+            req = self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        advanced = self.scheduler.update(sched_out, runner_out.sampled_token_ids)
+        aborted, self._aborted = self._aborted, []
+        return self.output_processor.process(
+            advanced, runner_out.logprobs, aborted,
+            on_stop=lambda r: self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED))

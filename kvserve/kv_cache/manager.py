@@ -1,0 +1,123 @@
+"""KVCacheManager: per-request block tables over the BlockPool, plus prefix reuse through chained block hashes.
+
+A full block's key is (hash of the previous block's key, its tokens, extra key), so equal keys mean equal
+prefixes; the dict lookup compares the tokens exactly, so only a 64-bit collision of the parent hash could
+alias two prefixes. The extra key (`Request.cache_salt`, later the LoRA id) keeps KV that must not be shared
+apart. With prefix caching off, only requests given the same salt (the n samples of one prompt) share.
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+from kvserve.kv_cache.block_pool import BlockPool, KVBlock
+from kvserve.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool):
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._hashes: dict[str, list[Hashable]] = {}   # keys of the request's full blocks, computed lazily
+        self._num_registered: dict[str, int] = {}      # leading blocks of the table already in the cache
+
+    def _cacheable(self, request: Request) -> bool:
+        return self.enable_prefix_caching or request.cache_salt is not None
+
+    def _block_keys(self, request: Request, num_full_blocks: int) -> list[Hashable]:
+        keys = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(keys) < num_full_blocks:
+            i = len(keys)
+            parent = hash(keys[-1]) if keys else None
+            keys.append((parent, tuple(request.token_slice(i * bs, (i + 1) * bs)), request.cache_salt))
+        return keys
+
+    # ---- admission ----------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest run of cached blocks that prefixes the request's tokens.
+
+        NOTE: at most (num_tokens - 1) // block_size blocks, so at least the last token is computed:
+        the step needs its logits.
+        """
+        if not self._cacheable(request):
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for key in self._block_keys(request, max_blocks):
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Grow the request's table to hold num_computed_tokens + num_new_tokens (after taking the
+        computed blocks, which must prefix it). Returns False, changing nothing, if the pool is short."""
+        computed_blocks = computed_blocks or []
+        table = self._tables.get(request.request_id, [])
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - len(table) - len(computed_blocks)
+        # Touching an unreferenced cached block takes it off the free queue.
+        num_available = self.pool.num_free_blocks - sum(1 for b in computed_blocks if b.ref_count == 0)
+        if num_needed > num_available:
+            return False
+        self.pool.touch(computed_blocks)
+        table = self._tables.setdefault(request.request_id, [])
+        table.extend(computed_blocks)
+        if computed_blocks:
+            self._num_registered[request.request_id] = len(table)
+        if num_needed > 0:
+            table.extend(self.pool.allocate(num_needed))
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the blocks that became full of computed KV (call after each step)."""
+        if not self._cacheable(request):
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        table = self._tables[request.request_id]
+        keys = self._block_keys(request, num_full)
+        for i in range(start, num_full):
+            self.pool.cache(table[i], keys[i])
+        self._num_registered[request.request_id] = num_full
+
+    def free(self, request: Request, finished: bool = True) -> None:
+        """Release the request's blocks (tail first). A preempted request keeps its block keys."""
+        table = self._tables.pop(request.request_id, [])
+        self.pool.release(table[::-1])
+        self._num_registered.pop(request.request_id, None)
+        if finished:
+            self._hashes.pop(request.request_id, None)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def num_blocks_held(self, request_id: str) -> int:
+        return len(self._tables.get(request_id, ()))
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()
+
+    # ---- invariants ---------------------------------------------------------------------
+    def check_invariants(self, requests: dict[str, Request]) -> None:
+        """Pool invariants, plus: each block's ref_count equals the number of live tables holding it,
+        no block twice in one table, each table covers its request's computed tokens."""
+        self.pool.check_invariants()
+        holders: dict[int, int] = {}
+        for req_id, table in self._tables.items():
+            ids = [b.block_id for b in table]
+            assert len(ids) == len(set(ids)), f"request {req_id} holds a block twice: {ids}"
+            for i in ids:
+                holders[i] = holders.get(i, 0) + 1
+            req = requests.get(req_id)
+            assert req is not None and not req.is_finished, f"table of dead request {req_id}"
+            assert len(table) * self.block_size >= req.num_computed_tokens, f"{req_id} table too short"
+        for b in self.pool.blocks:
+            assert b.ref_count == holders.get(b.block_id, 0), (
+                f"block {b.block_id}: ref_count {b.ref_count} but {holders.get(b.block_id, 0)} holders")

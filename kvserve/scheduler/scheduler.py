@@ -1,0 +1,213 @@
+"""Iteration-level scheduler: which requests run this step, with how many tokens each.
+
+There are no prefill and decode phases (vLLM v1's rule): each running request gets
+`num_tokens - num_computed_tokens` tokens, clipped to what is left of the token budget, so chunked
+prefill, decode and recompute after preemption are one code path. Running requests go first, then
+waiting ones in FCFS order. When blocks run out, the most recently admitted running request is
+preempted: its blocks are released and it returns to the front of the queue, to be recomputed.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request  # NOTE: read-only for the worker; only the scheduler mutates requests
+    num_tokens: int   # tokens computed this step, from request.num_computed_tokens on
+    block_ids: list[int]
+    samples: bool     # the step reaches the request's last token, so a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # requests with one query token ("decodes") first
+    total_num_scheduled_tokens: int
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []        # in admission order
+        self.stats = SchedulerStats()
+        self._wait_for: dict[str, Request] = {}  # request id -> sibling whose prompt KV it will reuse
+
+    # ---- requests in and out ----------------------------------------------------------------
+    def add_request(self, request: Request, wait_for: Request | None = None) -> None:
+        """Queue a validated request. `wait_for`: a sibling whose prompt KV this one should reuse,
+        so it is not admitted before that sibling's prompt is computed."""
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        if wait_for is not None:
+            self._wait_for[request.request_id] = wait_for
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request wherever it is; its blocks are released now."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        req.timings.finished = time.monotonic()
+        self.kv.free(req, finished=True)
+        self._wait_for.pop(request_id, None)
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not cfg.enable_chunked_prefill and req.num_tokens - req.num_computed_tokens > budget:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(self._entry(req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: nothing behind it is left
+
+        # NOTE: no admissions in a step that preempted: the pool is short, and a new request would only
+        # take the blocks the preempted one needs to come back.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            sibling = self._wait_for.get(req.request_id)
+            if sibling is not None:
+                if not sibling.is_finished and sibling.num_computed_tokens < sibling.num_prompt_tokens:
+                    break
+                del self._wait_for[req.request_id]
+            computed = self.kv.get_computed_blocks(req)
+            num_hit = len(computed) * self.kv.block_size
+            num_new = req.num_tokens - num_hit
+            if cfg.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            elif num_new > budget:
+                break
+            req.num_computed_tokens = num_hit
+            if not self.kv.allocate_slots(req, num_new, computed):
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:  # first admission, not a resumption
+                req.num_cached_tokens = num_hit
+                req.timings.first_scheduled = time.monotonic()
+                self.stats.num_prefix_query_tokens += req.num_prompt_tokens
+                self.stats.num_prefix_hit_tokens += num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._entry(req, num_new))
+            budget -= num_new
+
+        scheduled.sort(key=lambda s: s.num_tokens != 1)  # stable: decodes first
+        total = sum(s.num_tokens for s in scheduled)
+        assert total <= cfg.max_num_batched_tokens and len(self.running) <= cfg.max_num_seqs
+        return SchedulerOutput(scheduled, total, preempted)
+
+    def _entry(self, req: Request, num_new: int) -> ScheduledRequest:
+        samples = req.num_computed_tokens + num_new == req.num_tokens
+        return ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id), samples)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req, finished=False)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.stats.num_preemptions += 1
+
+    # ---- after the forward pass ---------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, apply token-level stop rules.
+
+        Returns the requests that got a new token this step (finished ones have status set and blocks
+        released). Stop strings are the output processor's job; it calls finish_request.
+        """
+        now = time.monotonic()
+        advanced = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:  # aborted between schedule and update
+                continue
+            req.num_computed_tokens += s.num_tokens
+            self.kv.cache_full_blocks(req)
+            if not s.samples:
+                continue
+            token = sampled[req.request_id]
+            req.append_output_token(token)
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            req.timings.last_token = now
+            advanced.append(req)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+        return advanced
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- invariants ---------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Block accounting (see KVCacheManager.check_invariants) plus queue membership."""
+        self.kv.check_invariants(self.requests)
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        assert len(ids) == len(set(ids)) == len(self.requests), "a request is queued twice or lost"
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert self.kv.num_blocks_held(r.request_id) == 0, f"waiting {r.request_id} holds blocks"

@@ -1,0 +1,146 @@
+"""Logits of our paged forward pass vs Hugging Face transformers on the same weights.
+
+Covers every supported architecture (tiny random checkpoints written by transformers) and the built-in
+SmolLM2 GGUF (vs transformers loading the same GGUF), in mixed batches: fresh prefills, prefill chunks
+with cached context, and decodes, all in one forward pass through block tables.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import TINY_ARCHS, make_tiny_checkpoint
+from kvserve.config import EngineArgs
+from kvserve.engine.engine import Engine
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+
+def paged_logits(engine: Engine, batch: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
+    """Run one forward pass over requests given as (tokens, num_context, num_query): the first
+    num_context tokens are computed in an earlier pass (through the cache); the returned logits are
+    those of the num_query tokens after them, all requests in the same pass. Decodes go first."""
+    kv = engine.scheduler.kv
+    reqs = []
+    for i, (tokens, ctx, q) in enumerate(batch):
+        req = Request(f"r{i}", tokens[:ctx + q], SamplingParams(max_tokens=1))
+        reqs.append((req, ctx, q))
+    # pass 1: contexts
+    pre = [(r, ctx) for r, ctx, _ in reqs if ctx > 0]
+    for r, ctx in pre:
+        assert kv.allocate_slots(r, ctx)
+    if pre:
+        _forward(engine, [(r, ctx) for r, ctx in pre])
+        for r, ctx in pre:
+            r.num_computed_tokens = ctx
+    # pass 2: the mixed batch
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i][2] != 1)
+    for r, _, q in reqs:
+        assert kv.allocate_slots(r, q)
+    logits = _forward(engine, [(reqs[i][0], reqs[i][2]) for i in order])
+    out: list[torch.Tensor] = [None] * len(reqs)
+    start = 0
+    for i in order:
+        q = reqs[i][2]
+        out[i] = logits[start:start + q]
+        start += q
+    for r, _, _ in reqs:
+        kv.free(r)
+    return out
+
+
+@torch.inference_mode()
+def _forward(engine: Engine, entries) -> torch.Tensor:
+    kv = engine.scheduler.kv
+    sched = [ScheduledRequest(r, n, kv.block_ids(r.request_id), False) for r, n in entries]
+    out = SchedulerOutput(sched, sum(n for _, n in entries))
+    runner = engine.runner
+    input_ids, positions, common, _ = runner._prepare_inputs(out)
+    hidden = runner.model(input_ids, positions, runner.kv_caches, runner.backend.build_metadata(common))
+    return runner.model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    return model(torch.tensor([tokens])).logits[0].float()
+
+
+def _mixed_batch(seed: int, vocab: int = 49152):
+    g = torch.Generator().manual_seed(seed)
+
+    def toks(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    return [
+        (toks(37), 0, 37),    # fresh prefill
+        (toks(60), 40, 20),   # prefill chunk after cached context (crosses block boundaries)
+        (toks(21), 20, 1),    # decode
+        (toks(90), 89, 1),    # decode, long context
+        (toks(1), 0, 1),      # one-token prompt
+        (toks(33), 16, 17),   # chunk starting exactly at a block boundary
+    ]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("tie", [False, True])
+def test_tiny_checkpoint_logits_match_transformers(tmp_path, arch, tie):
+    hf = make_tiny_checkpoint(str(tmp_path), arch, tie=tie)
+    engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64))
+    batch = _mixed_batch(seed=hash((arch, tie)) % 1000)
+    ours = paged_logits(engine, batch)
+    for (tokens, ctx, q), got in zip(batch, ours):
+        ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    engine.scheduler.check_invariants()
+    assert engine.block_pool.counts()["in_use"] == 0
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_logits_match_transformers(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
+                                              dtype=torch.float32).eval()
+    engine = Engine(EngineArgs(num_gpu_blocks_override=64))
+    tok = engine.tokenizer
+    prompt = tok.encode("The paged KV cache stores keys and values in fixed-size blocks, so that")
+    code = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+    batch = [(prompt, 0, len(prompt)), (prompt + [tok.encode(" the")[0]] * 30, len(prompt) + 29, 1),
+             (code, 0, len(code))]
+    for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
+        ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    import transformers as tf
+
+    tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        Engine(EngineArgs(model=str(tmp_path)))
+
+
+def test_missing_and_misshaped_tensors_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_checkpoint(str(tmp_path), "llama")
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    broken = dict(tensors)
+    del broken["model.layers.1.mlp.up_proj.weight"]
+    save_file(broken, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight"):
+        Engine(EngineArgs(model=str(tmp_path)))
+    broken = dict(tensors)
+    broken["model.norm.weight"] = torch.ones(65)
+    save_file(broken, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \(65,\), expected \(64,\)"):
+        Engine(EngineArgs(model=str(tmp_path)))
+    broken = dict(tensors)
+    broken["model.layers.0.extra.weight"] = torch.ones(3)
+    save_file(broken, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unexpected tensors in checkpoint: model\.layers\.0\.extra\.weight"):
+        Engine(EngineArgs(model=str(tmp_path)))
