@@ -1,0 +1,471 @@
+"""AsyncEngine: the Engine stepping continuously in the background, driven from asyncio.
+
+    handlers --add / abort--> inbox --> EngineLoop (owns the Engine) --StepReport--> per-request streams
+
+The Engine is not thread-safe, so exactly one EngineLoop owns it and makes every engine call. The loop
+blocks on its inbox while the engine is idle (no spinning) and, while busy, applies whatever arrived
+between two steps, so an abort frees its KV blocks before the next step runs.
+
+The loop runs either on a thread of the server process (the default) or in a child process
+(`use_process=True`); both use the same EngineLoop and the same messages, only the transport differs.
+docs/SERVER.md records the measurement that picked the default.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvserve.config import EngineArgs
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(Exception):
+    """Admitting the request would exceed max_num_seqs running + max_queue_len waiting sequences."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (crash, or shutdown); no request can run any more."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know about the engine, read once at start-up."""
+
+    model_name: str
+    max_model_len: int
+    max_num_seqs: int
+    num_kv_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Engine state right after a step. Counters (num_*_total, busy_s) are cumulative since start."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    """Fraction of KV blocks held by requests (BlockPool.usage)."""
+    num_preemptions_total: int = 0
+    num_prefix_query_tokens_total: int = 0
+    num_prefix_hit_tokens_total: int = 0
+    num_steps_total: int = 0
+    busy_s: float = 0.0
+    """Seconds spent inside Engine.step(); its growth over wall time is the loop's busy fraction."""
+
+
+@dataclass
+class StepReport:
+    """Everything one step produced: the changed requests' outputs and the stats after it."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+# ---- messages between the asyncio side and the loop (all picklable, for the process transport) ----
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _AddResult:
+    request_id: str
+    error: str | None  # the engine's ValueError message; None when queued
+
+
+@dataclass(frozen=True)
+class _Ready:
+    info: EngineInfo | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class _Stopped:
+    error: str | None  # None after a requested shutdown
+
+
+_SHUTDOWN = "shutdown"
+
+
+class EngineLoop:
+    """Owns an Engine: applies add/abort commands between steps and steps while there is work.
+
+    `recv(block)` returns the commands that arrived (waiting for at least one when `block`);
+    `emit(message)` hands a message to the asyncio side. Both are the transport's.
+    """
+
+    def __init__(self, engine, recv: Callable[[bool], list], emit: Callable[[object], None]):
+        self.engine = engine
+        self._recv = recv
+        self._emit = emit
+        self._busy_s = 0.0
+        self._num_steps = 0
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            for command in self._recv(not engine.has_unfinished_requests()):
+                if command == _SHUTDOWN:
+                    return
+                self._apply(command)
+            if engine.has_unfinished_requests():
+                start = time.perf_counter()
+                outputs = engine.step()
+                self._busy_s += time.perf_counter() - start
+                self._num_steps += 1
+                self._emit(StepReport(outputs, self.stats()))
+
+    def _apply(self, command) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    prompt_text=command.prompt_text, arrival_time=command.arrival_time)
+        except ValueError as e:
+            self._emit(_AddResult(command.request_id, str(e)))
+        else:
+            self._emit(_AddResult(command.request_id, None))
+
+    def stats(self) -> EngineStats:
+        sched = self.engine.scheduler
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_cache_usage=self.engine.block_pool.usage,
+            num_preemptions_total=sched.stats.num_preemptions,
+            num_prefix_query_tokens_total=sched.stats.num_prefix_query_tokens,
+            num_prefix_hit_tokens_total=sched.stats.num_prefix_hit_tokens,
+            num_steps_total=self._num_steps, busy_s=self._busy_s)
+
+
+def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None]) -> None:
+    """Body of the engine thread or process: build the Engine, report ready, loop until shutdown."""
+    from kvserve.engine.engine import Engine  # NOTE: imported here so the server process need not load torch models
+
+    try:
+        engine = Engine(args)
+    except Exception as e:  # a bad --model or flag: the server reports it and exits
+        logger.debug("engine start-up failed", exc_info=True)
+        emit(_Ready(None, f"{type(e).__name__}: {e}"))
+        return
+    emit(_Ready(EngineInfo(engine.model_name, engine.max_model_len, args.max_num_seqs,
+                           engine.kv_layout.num_blocks, engine.kv_layout.block_size), None))
+    try:
+        EngineLoop(engine, recv, emit).run()
+    except Exception:
+        emit(_Stopped(traceback.format_exc()))
+        return
+    emit(_Stopped(None))
+
+
+# ---- transports ---------------------------------------------------------------------------------
+class _ThreadTransport:
+    """The loop on a thread of this process; messages are handed over with call_soon_threadsafe."""
+
+    def __init__(self, args: EngineArgs, on_message: Callable[[object], None]):
+        loop = asyncio.get_running_loop()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+        def emit(message: object) -> None:
+            try:
+                loop.call_soon_threadsafe(on_message, message)
+            except RuntimeError:  # the event loop closed first (interpreter shutdown)
+                pass
+
+        self._thread = threading.Thread(target=_serve_engine, args=(args, self._recv, emit),
+                                        name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def _recv(self, block: bool) -> list:
+        commands = []
+        try:
+            commands.append(self._inbox.get(block=block))
+            while True:
+                commands.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return commands
+
+    def send(self, command: object) -> None:
+        self._inbox.put(command)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def _process_main(args: EngineArgs, conn) -> None:
+    # NOTE: Ctrl+C reaches the whole process group; the server process decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def recv(block: bool) -> list:
+        commands = []
+        try:
+            if block or conn.poll(0):
+                commands.append(conn.recv())
+            while conn.poll(0):
+                commands.append(conn.recv())
+        except EOFError:  # the server process is gone
+            commands.append(_SHUTDOWN)
+        return commands
+
+    _serve_engine(args, recv, conn.send)
+
+
+class _ProcessTransport:
+    """The loop in a spawned child process, over a duplex pipe; a reader thread forwards its messages."""
+
+    def __init__(self, args: EngineArgs, on_message: Callable[[object], None]):
+        loop = asyncio.get_running_loop()
+        ctx = multiprocessing.get_context("spawn")  # NOTE: fork after torch/tokenizer threads started can deadlock
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=_process_main, args=(args, child_conn), name="kvserve-engine",
+                                    daemon=True)
+        self._process.start()
+        child_conn.close()
+
+        def read() -> None:
+            while True:
+                try:
+                    message = self._conn.recv()
+                except (EOFError, OSError):
+                    message = _Stopped(f"engine process exited (code {self._process.exitcode})")
+                try:
+                    loop.call_soon_threadsafe(on_message, message)
+                except RuntimeError:
+                    return
+                if isinstance(message, _Stopped):
+                    return
+
+        self._reader = threading.Thread(target=read, name="kvserve-engine-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, command: object) -> None:
+        try:
+            self._conn.send(command)
+        except OSError:  # the process died; the reader thread reports it
+            pass
+
+    def join(self, timeout: float) -> None:
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+# ---- the asyncio side ---------------------------------------------------------------------------
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator.
+
+    Outputs that queued up while the consumer was busy are merged into one (their `new_token_ids` and
+    `new_texts` concatenated; cumulative fields from the newest), so a slow client costs one chunk per
+    wake-up, not one per step. `close()` aborts the request if it has not finished.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, num_seqs: int):
+        self.request_id = request_id
+        self.num_seqs = num_seqs
+        self.finished = False
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            newer = self._queue.get_nowait()
+            item = newer if isinstance(newer, BaseException) else _merge(item, newer)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    return dataclasses.replace(
+        newer,
+        new_token_ids=[a + b for a, b in zip(older.new_token_ids, newer.new_token_ids)],
+        new_texts=[a + b for a, b in zip(older.new_texts, newer.new_texts)])
+
+
+class AsyncEngine:
+    """An Engine stepping in the background, with admission control, for asyncio servers.
+
+    Use from one event loop: `await start()`, then `stream = await add_request(...)` (raises ValueError
+    for a request the engine rejects, EngineOverloadedError past capacity) and `async for out in stream`.
+    At most max_num_seqs + max_queue_len sequences (a request with n samples counts n) are in flight.
+    Listeners get every StepReport on the event loop (metrics).
+    """
+
+    def __init__(self, args: EngineArgs, *, max_queue_len: int = 256, use_process: bool = False):
+        if max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {max_queue_len}")
+        self.args = args
+        self.max_queue_len = max_queue_len
+        self.use_process = use_process
+        self.info: EngineInfo | None = None
+        self.stats = EngineStats()
+        self.dead_reason: str | None = None
+        self._transport: _ThreadTransport | _ProcessTransport | None = None
+        self._ready: asyncio.Future | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_adds: dict[str, asyncio.Future] = {}
+        self._num_inflight_seqs = 0
+        self._listeners: list[Callable[[StepReport], None]] = []
+        self._ids = itertools.count()
+
+    # ---- life cycle -----------------------------------------------------------------------------
+    async def start(self) -> EngineInfo:
+        """Start the loop and wait until the engine is built. Raises RuntimeError if it cannot start."""
+        self._ready = asyncio.get_running_loop().create_future()
+        transport = _ProcessTransport if self.use_process else _ThreadTransport
+        self._transport = transport(self.args, self._on_message)
+        ready: _Ready = await self._ready
+        if ready.error is not None:
+            self._transport.join(5.0)
+            self._transport = None
+            raise RuntimeError(f"engine failed to start: {ready.error}")
+        self.info = ready.info
+        return self.info
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight end with EngineDeadError."""
+        if self._transport is None:
+            return
+        transport, self._transport = self._transport, None
+        transport.send(_SHUTDOWN)
+        await asyncio.to_thread(transport.join, timeout)
+        self._fail_all("the engine is shut down")
+
+    @property
+    def is_running(self) -> bool:
+        return self._transport is not None and self.dead_reason is None
+
+    @property
+    def capacity(self) -> int:
+        return self.args.max_num_seqs + self.max_queue_len
+
+    @property
+    def num_inflight_seqs(self) -> int:
+        return self._num_inflight_seqs
+
+    def add_listener(self, listener: Callable[[StepReport], None]) -> None:
+        self._listeners.append(listener)
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          prompt_text: str | None = None) -> RequestStream:
+        """Queue a request once the engine accepted it. Raises ValueError (rejected by the engine: the
+        message says why), EngineOverloadedError (over capacity) or EngineDeadError."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self._num_inflight_seqs + params.n > self.capacity:
+            raise EngineOverloadedError(
+                f"the server is at capacity ({self._num_inflight_seqs} sequences in flight; at most "
+                f"{self.args.max_num_seqs} running + {self.max_queue_len} waiting); retry later")
+        stream = RequestStream(self, request_id, params.n)
+        self._streams[request_id] = stream
+        self._num_inflight_seqs += params.n
+        added = asyncio.get_running_loop().create_future()
+        self._pending_adds[request_id] = added
+        self._transport.send(_Add(request_id, list(prompt_token_ids), params, prompt_text, time.monotonic()))
+        try:
+            error = await added
+        except asyncio.CancelledError:  # the client left while the engine was busy with a step
+            stream.close()
+            raise
+        if error is not None:
+            raise ValueError(error)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Ask the loop to abort a request; its final output (finish_reason "abort") ends its stream."""
+        if self._transport is not None and request_id in self._streams:
+            self._transport.send(_Abort(request_id))
+
+    # ---- messages from the loop (on the event loop) ---------------------------------------------
+    def _on_message(self, message: object) -> None:
+        if isinstance(message, StepReport):
+            self._on_step(message)
+        elif isinstance(message, _AddResult):
+            future = self._pending_adds.pop(message.request_id, None)
+            if message.error is not None:
+                self._forget(message.request_id)
+            if future is not None and not future.done():
+                future.set_result(message.error)
+        elif isinstance(message, _Ready):
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(message)
+        elif isinstance(message, _Stopped):
+            if message.error is not None:
+                logger.error("engine loop stopped: %s", message.error)
+                self.dead_reason = "the engine stopped after an internal error"
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(_Ready(None, message.error or "stopped before it was ready"))
+            self._fail_all(self.dead_reason or "the engine is shut down")
+
+    def _on_step(self, report: StepReport) -> None:
+        self.stats = report.stats
+        for out in report.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream._queue.put_nowait(out)
+            if out.finished:
+                self._forget(out.request_id)
+        for listener in self._listeners:
+            listener(report)
+
+    def _forget(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._num_inflight_seqs -= stream.num_seqs
+
+    def _fail_all(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        for future in self._pending_adds.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self._pending_adds.clear()
+        for request_id, stream in list(self._streams.items()):
+            stream._queue.put_nowait(EngineDeadError(reason))
+            self._forget(request_id)
