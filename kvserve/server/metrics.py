@@ -1,0 +1,138 @@
+"""Prometheus metrics (prefix `kvserve:`) and the periodic stats log line, fed by the engine's StepReports.
+
+Each server owns its CollectorRegistry (no process-wide default registry), so two servers in one
+process, as in tests, never share counters. Latencies come from the engine's own timestamps
+(RequestMetrics, time.monotonic), not from when the HTTP side happened to look.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvserve.engine.async_engine import EngineStats, StepReport
+
+logger = logging.getLogger("kvserve.server")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+@dataclass
+class _Tracked:
+    """Per in-flight request: what the metrics already counted."""
+
+    seen_first_token: bool = False
+    last_token_time: float | None = None
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics; `on_step` is an AsyncEngine listener."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def hist(name, doc, buckets):
+            return Histogram(f"kvserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def gauge(name, doc):
+            return Gauge(f"kvserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"kvserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival to first token).",
+                         _TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                        _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish of each request.", _REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduling of each request.",
+                               _REQUEST_BUCKETS)
+        self.running = gauge("num_requests_running", "Sequences running in the engine.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting in the engine's queue.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (1 = full).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got a first token.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Preemptions (a running sequence evicted for blocks).")
+        self.busy_seconds = counter("engine_busy_seconds", "Seconds the engine loop spent inside step().")
+        self.steps = counter("engine_steps", "Engine steps run.")
+        self._finished = Counter("kvserve:request_success", "Finished requests by finish reason.",
+                                 labels + ["finished_reason"], registry=r)
+        self._rejected = Counter("kvserve:request_rejected", "Requests refused before running, by reason.",
+                                 labels + ["reason"], registry=r)
+        self._model_name = model_name
+        self._tracked: dict[str, _Tracked] = {}
+        self._last = EngineStats()
+        # Plain totals for the stats log line (reading them back from prometheus objects is clumsy).
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def on_rejected(self, reason: str) -> None:
+        self._rejected.labels(self._model_name, reason).inc()
+
+    def on_step(self, report: StepReport) -> None:
+        stats = report.stats
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.preemptions.inc(stats.num_preemptions_total - self._last.num_preemptions_total)
+        self.busy_seconds.inc(max(0.0, stats.busy_s - self._last.busy_s))
+        self.steps.inc(stats.num_steps_total - self._last.num_steps_total)
+        self._last = stats
+        for out in report.outputs:
+            self._on_output(out)
+
+    def _on_output(self, out) -> None:
+        tracked = self._tracked.setdefault(out.request_id, _Tracked())
+        m = out.metrics
+        num_new = sum(len(ids) for ids in out.new_token_ids)
+        self.num_generation_tokens += num_new
+        self.generation_tokens.inc(num_new)
+        if m is not None and m.first_token_time is not None:
+            if not tracked.seen_first_token:
+                tracked.seen_first_token = True
+                self.ttft.observe(m.time_to_first_token)
+                self.num_prompt_tokens += len(out.prompt_token_ids)
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+            elif num_new and tracked.last_token_time is not None and m.last_token_time > tracked.last_token_time:
+                self.itl.observe(m.last_token_time - tracked.last_token_time)
+            tracked.last_token_time = m.last_token_time
+        if out.finished:
+            del self._tracked[out.request_id]
+            reason = out.outputs[0].finish_reason if out.outputs else "abort"
+            self._finished.labels(self._model_name, reason or "abort").inc()
+            if m is not None:
+                if m.e2e_latency is not None:
+                    self.e2e.observe(m.e2e_latency)
+                if m.queue_time is not None:
+                    self.queue_time.observe(m.queue_time)
+
+
+async def log_stats_periodically(metrics: ServerMetrics, get_stats, interval: float) -> None:
+    """Every `interval` seconds while requests are in flight (or tokens flowed), log one line:
+    throughputs since the previous line, running and waiting sequences, KV usage, loop busy fraction."""
+    last_time = time.monotonic()
+    last_prompt, last_gen = metrics.num_prompt_tokens, metrics.num_generation_tokens
+    last_busy = get_stats().busy_s
+    while True:
+        await asyncio.sleep(interval)
+        now, stats = time.monotonic(), get_stats()
+        prompt, gen = metrics.num_prompt_tokens - last_prompt, metrics.num_generation_tokens - last_gen
+        elapsed = now - last_time
+        if prompt or gen or stats.num_running or stats.num_waiting:
+            logger.info("prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d, "
+                        "waiting: %d, KV cache usage: %.1f%%, engine busy: %.0f%%",
+                        prompt / elapsed, gen / elapsed, stats.num_running, stats.num_waiting,
+                        100 * stats.kv_cache_usage, 100 * (stats.busy_s - last_busy) / elapsed)
+        last_time, last_prompt, last_gen = now, metrics.num_prompt_tokens, metrics.num_generation_tokens
+        last_busy = stats.busy_s

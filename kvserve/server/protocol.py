@@ -1,0 +1,304 @@
+"""Pydantic models of the OpenAI API: request bodies (validated strictly) and response bodies.
+
+This is the only place pydantic is used. Requests are parsed with `model_validate_json(..., strict)`,
+so wrong JSON types are errors (no "5" -> 5 coercion), unknown fields are ignored (clients send fields
+we do not implement), and `to_sampling_params` turns a request into the engine's SamplingParams.
+Response fields the schema requires are declared without defaults, so they are always serialized
+(null included); optional ones use `exclude_if=None` so they are left out rather than sent as null.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import APIError
+
+
+def _none(value: Any) -> bool:
+    return value is None
+
+
+# ---- requests ---------------------------------------------------------------------------------
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions, including vLLM's extras."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
+                               param="logit_bias") from None
+        values = dict(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                      min_p=self.min_p, presence_penalty=self.presence_penalty,
+                      frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                      seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                      min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+                      skip_special_tokens=self.skip_special_tokens)
+        # None means "the default" for every field a client may send as null.
+        kwargs = {k: v for k, v in values.items() if v is not None}
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias, **kwargs)
+        except ValueError as e:
+            first = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=first if first in values or first == "max_tokens" else None) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError(400, "best_of is only supported equal to n", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (the engine computes no prompt logprobs)",
+                           param="echo")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string; a list of text parts is joined with newlines (as vLLM does)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"content parts of type {part.type!r} are not supported (text only)",
+                               param="messages")
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def conversation(self) -> list[dict[str, str]]:
+        # NOTE: chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses --------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = Field(default=None, exclude_if=_none)
+
+
+class CompletionResponse(BaseModel):
+    """A /v1/completions body; stream chunks have the same shape (as in OpenAI's API)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(default=None, exclude_if=_none)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = Field(default=None, exclude_if=_none)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_none)
+    content: str | None = Field(default=None, exclude_if=_none)
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = Field(default=None, exclude_if=_none)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = Field(default=None, exclude_if=_none)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvserve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = Field(default=None, exclude_if=_none)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
