@@ -12,9 +12,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping
 from typing import Any
 
+from kvserve.kv_cache.sizing import attention_shape, config_get, kv_bytes_per_token
 from kvserve.utils.sizes import format_size, parse_size
 
 __all__ = ["KV_DTYPE_BYTES", "add_arguments", "run", "kv_bytes_per_token", "load_model_config"]
@@ -30,49 +30,6 @@ _CONFIG_DTYPE_NAMES = {
     "bfloat16": "bfloat16",
 }
 _EXIT_USAGE = 2  # argparse's exit status for bad arguments; we use it for every user error
-
-
-def _get(config: Any, key: str) -> Any:
-    """Read `key` from a transformers config object or a config.json dict (None if absent)."""
-    if isinstance(config, Mapping):
-        return config.get(key)
-    return getattr(config, key, None)
-
-
-def _require_positive_int(config: Any, key: str) -> int:
-    value = _get(config, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"model config field {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _attention_shape(config: Any) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a decoder config."""
-    num_layers = _require_positive_int(config, "num_hidden_layers")
-    num_heads = _require_positive_int(config, "num_attention_heads")
-    # No num_key_value_heads means plain multi-head attention (one KV head per query head).
-    num_kv_heads = num_heads if _get(config, "num_key_value_heads") is None else _require_positive_int(config, "num_key_value_heads")
-    if _get(config, "head_dim") is not None:
-        head_dim = _require_positive_int(config, "head_dim")
-    else:
-        head_dim = _require_positive_int(config, "hidden_size") // num_heads
-    return num_layers, num_kv_heads, head_dim
-
-
-def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
-    """KV-cache bytes one token occupies across all layers: 2 × layers × kv_heads × head_dim × dtype_bytes.
-
-    `config` is a transformers config or a config.json dict. `num_key_value_heads` falls back to
-    `num_attention_heads` (MHA) when absent; `head_dim` to `hidden_size // num_attention_heads`.
-
-    Raises:
-        ValueError: a required field is missing or not a positive integer, or `dtype_bytes` is
-            not a positive integer.
-    """
-    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
-        raise ValueError(f"dtype_bytes must be a positive integer, got {dtype_bytes!r}")
-    num_layers, num_kv_heads, head_dim = _attention_shape(config)
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
 def load_model_config(model: str) -> Any:
@@ -120,7 +77,7 @@ def _resolve_kv_dtype(kv_dtype: str, config: Any) -> str:
             raise ValueError(f"--kv-dtype must be one of auto, {', '.join(KV_DTYPE_BYTES)}; got {kv_dtype!r}")
         return kv_dtype
     # transformers 5 writes "dtype", 4.x "torch_dtype"; GGUF configs have neither.
-    config_dtype = _get(config, "dtype") or _get(config, "torch_dtype")
+    config_dtype = config_get(config, "dtype") or config_get(config, "torch_dtype")
     if config_dtype is None:
         return "float16"
     name = str(config_dtype).removeprefix("torch.")
@@ -165,12 +122,12 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
     config = load_model_config(args.model)
     kv_dtype = _resolve_kv_dtype(args.kv_dtype, config)
     dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
-    num_layers, num_kv_heads, head_dim = _attention_shape(config)
+    num_layers, num_kv_heads, head_dim = attention_shape(config)
     per_token = kv_bytes_per_token(config, dtype_bytes)
 
     context = args.context
     if context is None:
-        context = _get(config, "max_position_embeddings")
+        context = config_get(config, "max_position_embeddings")
         if not isinstance(context, int) or context <= 0:
             raise ValueError("the model config has no max_position_embeddings; pass --context")
 
@@ -178,7 +135,7 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "model": args.model,
         "num_layers": num_layers,
-        "num_attention_heads": _get(config, "num_attention_heads"),
+        "num_attention_heads": config_get(config, "num_attention_heads"),
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
         "kv_dtype": kv_dtype,

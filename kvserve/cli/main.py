@@ -18,28 +18,32 @@ _BENCH = {
 }
 
 
-def _add(sub, name: str, module: str, help_text: str) -> None:
+def _add(sub, name: str, module: str, help_text: str, load: bool) -> None:
     parser = sub.add_parser(name, help=help_text, description=help_text)
-    mod = importlib.import_module(module)
-    mod.add_arguments(parser)
-    parser.set_defaults(_run=mod.run)
+    if load:  # NOTE: only the chosen subcommand is imported, so `generate` never pays for FastAPI's import
+        mod = importlib.import_module(module)
+        mod.add_arguments(parser)
+        parser.set_defaults(_run=mod.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    words = [a for a in argv if not a.startswith("-")]
+    chosen = words[:2]
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in _COMMANDS.items():
-        _add(sub, name, module, help_text)
+        _add(sub, name, module, help_text, load=chosen[:1] == [name])
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline run alongside")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, (module, help_text) in _BENCH.items():
-        _add(bench_sub, name, module, help_text)
+        _add(bench_sub, name, module, help_text, load=chosen == ["bench", name])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args._run(args) or 0
     except ValueError as e:

@@ -17,6 +17,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_cache.sizing import kv_bytes_per_token
 from kvserve.models.loader import (ModelSource, build_model, iter_checkpoint_tensors, load_hf_config,
                                    load_tokenizer, load_weights)
 from kvserve.models.registry import resolve_architecture
@@ -24,7 +25,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from kvserve.worker.model_runner import ModelRunner, kv_bytes_per_token
+from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("kvserve")
 
@@ -66,6 +67,9 @@ class Engine:
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
+        # NOTE: like vLLM, the engine seed seeds torch's default generator, which unseeded requests draw
+        # from; seeded requests own their generators and never touch it.
+        torch.manual_seed(args.seed)
         source = ModelSource.resolve(args.model)
         self.hf_config = load_hf_config(source)
         self.architecture, _ = resolve_architecture(self.hf_config)
@@ -116,7 +120,7 @@ class Engine:
         return tuple(ids)
 
     def _size_kv_cache(self, args: EngineArgs) -> KVCacheLayout:
-        per_token = kv_bytes_per_token(self.hf_config, self.dtype)
+        per_token = kv_bytes_per_token(self.hf_config, torch.empty((), dtype=self.dtype).element_size())
         per_block = per_token * args.block_size
         if args.num_gpu_blocks_override is not None:
             num_blocks = args.num_gpu_blocks_override

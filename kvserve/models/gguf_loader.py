@@ -11,6 +11,7 @@ The oracle for all three is `transformers`' own GGUF support
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -86,15 +87,22 @@ def builtin_model_path() -> str:
 # --------------------------------------------------------------------------- reading
 
 
+@functools.lru_cache(maxsize=2)
+def _read(path: str, mtime_ns: int) -> gguf.GGUFReader:
+    """Parse a GGUF file's header once: parsing the 49k-entry vocabulary takes seconds, and the
+    config, tokenizer and weights are each read from it. Keyed by mtime so a rewritten file is re-read."""
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad input
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
 def _open_reader(path: str) -> gguf.GGUFReader:
     """Open `path` as a GGUF file of the supported architecture."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad input
-        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+    reader = _read(path, os.stat(path).st_mtime_ns)
     architecture = _field(reader, "general.architecture")
     if architecture != _SUPPORTED_ARCHITECTURE:
         raise ValueError(
@@ -248,7 +256,6 @@ def load_gguf_tokenizer(path: str):
     path = os.fspath(path)
     reader = _open_reader(path)
     chat_template = _field(reader, "tokenizer.chat_template")
-    del reader  # release the memory map before transformers opens the file again
 
     folder, filename = os.path.split(os.path.abspath(path))
     # NOTE: a local folder makes from_pretrained read the file directly (no Hub access).

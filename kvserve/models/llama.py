@@ -48,10 +48,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)                    # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the step's positions, each [T, 1, D]; looked up once per step, not per layer."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +79,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if feats.qk_norm else None
         self.backend = backend
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, attn_meta) -> torch.Tensor:
+    def forward(self, x, rope_cos_sin, kv_cache, attn_meta) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)                          # [T, Hq, D]
@@ -82,7 +87,8 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        cos, sin = rope_cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache, attn_meta, self.scale)    # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -107,8 +113,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv_cache, attn_meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, attn_meta)
+    def forward(self, x, rope_cos_sin, kv_cache, attn_meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope_cos_sin, kv_cache, attn_meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -129,8 +135,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                      # [T, hidden]
+        rope_cos_sin = self.rope(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, attn_meta)
+            x = layer(x, rope_cos_sin, kv_cache, attn_meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,9 @@ class ServerConfig:
         "help": "seconds in-flight requests may take to finish after SIGTERM before they are aborted"})
     stats_interval: float = field(default=5.0, metadata={
         "help": "seconds between stats log lines while requests are in flight; 0 disables them"})
-    engine_process: bool = field(default=False, metadata={
-        "help": "run the engine loop in its own process instead of a thread of the server process"})
+    engine_loop: str = field(default="process", metadata={
+        "help": "where the engine steps: its own process (default; see docs/SERVER.md for why) or a thread "
+                "of the server process", "choices": ("process", "thread")})
     access_log: bool = field(default=True, metadata={"help": "log one line per HTTP request"})
 
     def __post_init__(self) -> None:
@@ -42,6 +43,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.stats_interval < 0:
             raise ValueError(f"stats_interval must be >= 0, got {self.stats_interval}")
+        if self.engine_loop not in ("process", "thread"):
+            raise ValueError(f"engine_loop must be process or thread, got {self.engine_loop!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
 
@@ -61,7 +64,7 @@ class ServerConfig:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
                 continue
             base = int if hint is int else float if hint is float else str
-            parser.add_argument(flag, type=base, **kwargs)
+            parser.add_argument(flag, type=base, choices=f.metadata.get("choices"), **kwargs)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "ServerConfig":

@@ -22,12 +22,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, RowLogprobs] = field(default_factory=dict)
 
 
-def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * hf_config.head_dim * elem
-
-
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device):

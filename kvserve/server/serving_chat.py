@@ -1,0 +1,104 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> a chat completion or SSE stream.
+
+A stream opens each choice with a `{"role": "assistant", "content": ""}` delta, then sends content
+deltas, the last of which carries finish_reason (OpenAI's chunk sequence).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvserve.engine.async_engine import EngineDeadError, RequestStream
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import APIError
+from kvserve.server.logprobs import chat_logprobs
+from kvserve.server.prompts import chat_prompt, render_chat
+from kvserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
+                                     ChatCompletionResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice, Usage)
+from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, close_all, error_event, new_id, read_body,
+                                    sse, unless_disconnected)
+
+
+async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
+    request = await read_body(raw_request, ChatCompletionRequest, state.config.max_body_size_bytes)
+    model = state.resolve_model(request.model)
+    params = request.to_sampling_params()
+    text = render_chat(state.tokenizer, request.conversation(), bool(request.add_generation_prompt),
+                       bool(request.continue_final_message), request.chat_template_kwargs)
+    run = _ChatRun(request, model, params)
+    streams = await state.open_streams(run.id, [chat_prompt(state.tokenizer, text)], params, prompt_param="messages")
+    if request.stream:
+        return EventStream(run.events(streams[0]), close_all(streams))
+    return await unless_disconnected(raw_request, run.respond(streams[0]), streams)
+
+
+class _ChatRun:
+    """Formats one chat request's engine outputs (streamed or whole)."""
+
+    def __init__(self, request: ChatCompletionRequest, model: str, params: SamplingParams):
+        self.id = new_id("chatcmpl")
+        self.created = int(time.time())
+        self.request, self.model, self.params = request, model, params
+
+    def _logprobs(self, o: CompletionOutput, token_ids: list[int]) -> ChatChoiceLogprobs | None:
+        if self.params.logprobs is None:
+            return None
+        entries = o.logprobs[len(o.token_ids) - len(token_ids):] if token_ids else []
+        return ChatChoiceLogprobs(content=chat_logprobs(token_ids, entries, self.params.logprobs))
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                       usage=usage))
+
+    async def respond(self, stream: RequestStream) -> Response:
+        final = None
+        try:
+            async for out in stream:
+                final = out
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not available: {e}") from None
+        choices = [ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
+                              logprobs=self._logprobs(o, o.token_ids), finish_reason=o.finish_reason,
+                              stop_reason=o.stop_reason)
+                   for o in final.outputs]
+        body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=_usage(final))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def events(self, stream: RequestStream) -> AsyncIterator[str]:
+        try:
+            for i in range(self.params.n):
+                yield self._chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""),
+                                                    logprobs=None, finish_reason=None)])
+            done: set[int] = set()
+            final = None
+            async for out in stream:
+                for o in out.outputs:
+                    if o.index in done:
+                        continue
+                    text, new_ids = out.new_texts[o.index], out.new_token_ids[o.index]
+                    finished = o.finish_reason is not None
+                    logprobs = self._logprobs(o, new_ids) if new_ids else None
+                    if not text and not finished and logprobs is None:
+                        continue  # the detokenizer held the text back (a partial character or stop string)
+                    if finished:
+                        done.add(o.index)
+                    yield self._chunk([ChatStreamChoice(index=o.index, delta=ChatDelta(content=text or None),
+                                                        logprobs=logprobs, finish_reason=o.finish_reason,
+                                                        stop_reason=o.stop_reason)])
+                final = out
+            if self.request.include_usage and final is not None:
+                yield self._chunk([], _usage(final))
+        except Exception as e:  # the stream already said 200: report in-band, as OpenAI does
+            yield error_event(e)
+        yield SSE_DONE
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage.of(prompt_tokens=len(out.prompt_token_ids),
+                    completion_tokens=sum(len(o.token_ids) for o in out.outputs),
+                    cached_tokens=out.num_cached_tokens)

@@ -1,0 +1,115 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) -> a completion or an SSE stream.
+
+Choice indices follow OpenAI's rule: prompt i, sample j -> index i * n + j.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvserve.engine.async_engine import EngineDeadError, RequestStream
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import APIError
+from kvserve.server.logprobs import completion_logprobs
+from kvserve.server.prompts import Prompt, completion_prompts
+from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, close_all, error_event, merge_streams,
+                                    new_id, read_body, sse, unless_disconnected)
+
+
+async def create_completion(state: ServerState, raw_request: Request) -> Response:
+    request = await read_body(raw_request, CompletionRequest, state.config.max_body_size_bytes)
+    model = state.resolve_model(request.model)
+    params = request.to_sampling_params()
+    prompts = completion_prompts(state.tokenizer, request.prompt)
+    run = _CompletionRun(state, request, model, prompts, params)
+    streams = await state.open_streams(run.id, prompts, params)
+    if request.stream:
+        return EventStream(run.events(streams), close_all(streams))
+    return await unless_disconnected(raw_request, run.respond(streams), streams)
+
+
+class _CompletionRun:
+    """Formats one completion request's engine outputs (streamed or whole)."""
+
+    def __init__(self, state: ServerState, request: CompletionRequest, model: str, prompts: list[Prompt],
+                 params: SamplingParams):
+        self.id = new_id("cmpl")
+        self.created = int(time.time())
+        self.state, self.request, self.model, self.prompts, self.params = state, request, model, prompts, params
+
+    def _echo(self, prompt_index: int) -> str:
+        if not self.request.echo:
+            return ""
+        prompt = self.prompts[prompt_index]
+        return prompt.text if prompt.text is not None else self.state.tokenizer.decode(prompt.token_ids)
+
+    def _logprobs(self, o: CompletionOutput, token_ids: list[int], text_offset: int) -> CompletionLogprobs | None:
+        if self.params.logprobs is None or not token_ids:
+            return None
+        return completion_logprobs(token_ids, o.logprobs[len(o.token_ids) - len(token_ids):], self.params.logprobs,
+                                   text_offset)
+
+    def _response(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    async def respond(self, streams: list[RequestStream]) -> Response:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in merge_streams(streams):
+                if out.finished:
+                    finals[i] = out
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not available: {e}") from None
+        choices = []
+        for i, out in enumerate(finals):
+            for o in out.outputs:
+                choices.append(CompletionChoice(index=i * self.params.n + o.index, text=self._echo(i) + o.text,
+                                                logprobs=self._logprobs(o, o.token_ids, 0),
+                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        body = self._response(choices, _usage(finals))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        n = self.params.n
+        echoed, done, offsets = set(), set(), {}
+        finals: list[RequestOutput] = []
+        try:
+            async for i, out in merge_streams(streams):
+                for o in out.outputs:
+                    index = i * n + o.index
+                    if index in done:
+                        continue
+                    text = out.new_texts[o.index]
+                    if index not in echoed:
+                        echoed.add(index)
+                        text = self._echo(i) + text
+                    new_ids = out.new_token_ids[o.index]
+                    logprobs = self._logprobs(o, new_ids, offsets.get(index, 0))
+                    if logprobs is not None:
+                        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+                    finished = o.finish_reason is not None
+                    if not text and not finished and logprobs is None:
+                        continue  # the detokenizer held the text back (a partial character or stop string)
+                    if finished:
+                        done.add(index)
+                    yield sse(self._response([CompletionChoice(
+                        index=index, text=text, logprobs=logprobs, finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason)]))
+                if out.finished:
+                    finals.append(out)
+            if self.request.include_usage:
+                yield sse(self._response([], _usage(finals)))
+        except Exception as e:  # the stream already said 200: report in-band, as OpenAI does
+            yield error_event(e)
+        yield SSE_DONE
+
+
+def _usage(finals: list[RequestOutput]) -> Usage:
+    return Usage.of(prompt_tokens=sum(len(out.prompt_token_ids) for out in finals),
+                    completion_tokens=sum(len(o.token_ids) for out in finals for o in out.outputs),
+                    cached_tokens=sum(out.num_cached_tokens for out in finals))

@@ -1,0 +1,104 @@
+"""`kvserve bench serve` against a real `kvserve serve` (tiny model), plus its arithmetic in isolation."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvserve.bench import serve as bench
+
+WORKLOAD_SRC = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "mixed.jsonl"
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_llama, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("bench_server") / "server.log"
+    cmd = [sys.executable, "-m", "kvserve.server.cli", "--model", tiny_llama[0], "--port", "0", "--num-threads", "1",
+           "--kv-cache-memory", "16MiB", "--no-access-log", "--stats-interval", "0"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = None
+        for _ in range(300):
+            text = log_path.read_text(errors="replace")
+            assert proc.poll() is None, text
+            if url is None and "serving on " in text:
+                url = text.split("serving on ", 1)[1].split()[0]
+            if url is not None:
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def _workload(path, lengths: list[tuple[int, int]]) -> str:
+    """Requests with the given (prompt tokens, max_tokens), token ids taken from the real `mixed` workload."""
+    with open(WORKLOAD_SRC) as f:
+        ids = json.loads(f.readline())["prompt_token_ids"]
+    with open(path, "w") as f:
+        for i, (num_prompt, max_tokens) in enumerate(lengths):
+            prompt = (ids * (num_prompt // len(ids) + 1))[i:i + num_prompt]
+            f.write(json.dumps({"id": str(i), "prompt_token_ids": prompt, "max_tokens": max_tokens,
+                                "ignore_eos": True, "arrival_s": 0.0}) + "\n")
+    return str(path)
+
+
+def test_replays_a_workload_and_reports_json(base_url, tmp_path, capsys):
+    lengths = [(40, 8), (20, 5), (64, 12), (33, 3), (50, 9), (17, 6)]
+    workload = _workload(tmp_path / "w.jsonl", lengths)
+    assert bench.main(["--base-url", base_url, "--workload", workload, "--concurrency", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_input_tokens"] == sum(p for p, _ in lengths)
+    assert result["total_output_tokens"] == sum(m for _, m in lengths)
+    assert result["output_throughput"] == pytest.approx(result["total_output_tokens"] / result["duration_s"])
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        s = result[key]
+        assert 0 < s["median_ms"] <= s["p99_ms"] and s["mean_ms"] > 0, (key, s)
+    assert result["e2el"]["mean_ms"] > result["ttft"]["mean_ms"]
+
+
+def test_table_output_and_failed_requests(base_url, tmp_path, capsys):
+    workload = _workload(tmp_path / "w.jsonl", [(16, 4), (1100, 4), (16, 4)])  # 1100 > max_model_len
+    assert bench.main(["--base-url", base_url, "--workload", workload, "--request-rate", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "Successful requests:" in out and "P99 ITL (ms):" in out and "Output token throughput" in out
+    lines = {line.split(":")[0]: line.split()[-1] for line in out.splitlines() if ":" in line}
+    assert lines["Successful requests"] == "2" and lines["Failed requests"] == "1"
+    assert "HTTP 400" in out and "max_model_len" in out
+
+
+def test_poisson_arrivals_are_seeded_and_at_the_rate():
+    reqs = [bench.WorkloadRequest(str(i), [1], 1, True, 0.5 * i) for i in range(2000)]
+    a = bench.arrival_times(reqs, 10.0, seed=1)
+    assert a == bench.arrival_times(reqs, 10.0, seed=1) != bench.arrival_times(reqs, 10.0, seed=2)
+    assert a[0] == 0 and all(x <= y for x, y in zip(a, a[1:]))
+    assert len(a) / a[-1] == pytest.approx(10.0, rel=0.1)
+    assert bench.arrival_times(reqs, None, 0)[:3] == [0.0, 0.5, 1.0]
+    assert bench.arrival_times(reqs, float("inf"), 0)[-1] == 0.0
+
+
+def test_percentiles_match_numpy_linear_interpolation():
+    s = bench._stats([i / 1000 for i in range(1, 101)])  # 1..100 ms
+    assert s["mean_ms"] == pytest.approx(50.5) and s["median_ms"] == pytest.approx(50.5)
+    assert s["p99_ms"] == pytest.approx(99.01)
+    assert bench._stats([]) == {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
+
+
+def test_bad_workload_line_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt_token_ids": [1], "max_tokens": 2}\n{"max_tokens": 2}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        bench.load_workload(str(path))
