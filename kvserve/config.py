@@ -39,6 +39,12 @@ class EngineArgs:
         "help": "split long prompts over several steps so decodes keep flowing"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV blocks of prompt prefixes already computed"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "fcfs, or lpm: admit the waiting request with the longest cached prefix first (bounded wait)",
+        "choices": ("fcfs", "lpm")})
+    max_pinned_fraction: float = field(default=0.5, metadata={
+        "help": "most of the KV pool that prompt-cache pins (cache_control) may hold; past it, new pins "
+                "are not made and requests still run"})
     max_logprobs: int = field(default=20, metadata={"help": "largest logprobs a request may ask for"})
     seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
     num_threads: int | None = field(default=None, metadata={
@@ -59,6 +65,8 @@ class EngineArgs:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         parse_size(self.kv_cache_memory)  # raises ValueError naming the bad text

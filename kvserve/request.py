@@ -39,7 +39,7 @@ class RequestTimings:
     finished: float | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: two requests are never "equal" by their fields
 class Request:
     """One sequence being generated.
 
@@ -57,6 +57,10 @@ class Request:
     cache_salt: str | None = None
     """Part of the prefix-cache key: only requests with the same salt share KV blocks."""
     generator: torch.Generator | None = None
+    cache_pin: tuple[int, float] | None = None
+    """(prefix tokens, TTL seconds): pin the KV of this many leading tokens once computed (prompt caching)."""
+    num_pinned_tokens: int | None = None
+    """Set once the pin was applied: tokens actually pinned (full blocks, within the pin bound)."""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

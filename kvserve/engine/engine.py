@@ -88,12 +88,14 @@ class Engine:
         self.runner = ModelRunner(model, backend, self.kv_layout.num_blocks, args.block_size, self.dtype,
                                   self.device)
         self.block_pool = BlockPool(self.kv_layout.num_blocks)
-        kv_manager = KVCacheManager(self.block_pool, args.block_size, args.enable_prefix_caching)
+        kv_manager = KVCacheManager(self.block_pool, args.block_size, args.enable_prefix_caching,
+                                    max_pinned_blocks=int(self.kv_layout.num_blocks * args.max_pinned_fraction))
         batched = args.max_num_batched_tokens
         if not args.enable_chunked_prefill:
             batched = max(batched, self.max_model_len)  # a whole prompt must fit one step
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, batched, self.max_model_len,
-                                                   args.enable_chunked_prefill), kv_manager)
+                                                   args.enable_chunked_prefill, args.scheduling_policy),
+                                   kv_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._aborted: list[Request] = []
         self.model_name = args.model or "SmolLM2-135M-Instruct"
@@ -180,8 +182,12 @@ class Engine:
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    prompt_text: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request (n samples become n child sequences). Raises ValueError if it cannot run."""
+                    prompt_text: str | None = None, arrival_time: float | None = None,
+                    cache_pin: tuple[int, float] | None = None) -> None:
+        """Queue a request (n samples become n child sequences). Raises ValueError if it cannot run.
+
+        cache_pin: (prefix tokens, TTL seconds) — keep the KV of that prefix cached (pinned) for TTL
+        seconds after its last use (Anthropic-style prompt caching)."""
         params = params or SamplingParams()
         if request_id in self.scheduler.requests or self.output_processor.group_children(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -199,7 +205,8 @@ class Engine:
             if params.n > 1 and not self.args.enable_prefix_caching:
                 salt = f"n-group:{request_id}"  # share the prompt among the samples only
             child = Request(request_id if params.n == 1 else f"{request_id}#{i}", token_ids, child_params,
-                            self.eos_token_ids, max_tokens, cache_salt=salt, generator=gen)
+                            self.eos_token_ids, max_tokens, cache_salt=salt, generator=gen,
+                            cache_pin=cache_pin if i == 0 else None)
             child.timings.arrival = arrival
             children.append(child)
         self.output_processor.add_group(request_id, prompt_text, children)
@@ -214,6 +221,39 @@ class Engine:
             req = self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 self._aborted.append(req)
+
+    def explain_prefix(self, prompt: str | list[int], snippet_tokens: int = 8) -> dict:
+        """How much of a prompt the prefix cache would serve, and where the closest cached sequence diverges
+        (position and a short text snippet on each side), to find what broke a cache hit."""
+        token_ids = self.tokenize_prompt(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        ex = self.scheduler.kv.explain(token_ids)
+        pos = ex.num_matched_tokens
+        block_start = pos - pos % self.args.block_size
+        decode = self.tokenizer.decode
+        out = {"num_prompt_tokens": ex.num_prompt_tokens, "num_cached_tokens": ex.num_hit_tokens,
+               "num_matched_tokens": pos,
+               # None: the prompt is wholly cached, or the cached sequence simply ends at num_matched_tokens
+               "diverges_at": pos if pos < len(token_ids) and ex.cached_continuation is not None else None,
+               "common_text": decode(token_ids[max(0, pos - snippet_tokens):pos]),
+               "prompt_text_after": decode(token_ids[pos:pos + snippet_tokens]), "cached_text_after": None}
+        if ex.cached_continuation is not None:
+            cached_after = ex.cached_continuation[pos - block_start:]
+            out["cached_text_after"] = decode(cached_after[:snippet_tokens])
+        return out
+
+    def prefix_cache_stats(self) -> dict:
+        pool, stats = self.block_pool, self.scheduler.stats
+        counts = pool.counts()
+        return {"block_size": self.args.block_size, "total_blocks": pool.num_blocks,
+                "cached_blocks": pool.num_cached_blocks,
+                "cached_tokens": pool.num_cached_blocks * self.args.block_size,
+                "evictable_blocks": counts["cached"], "pinned_blocks": self.scheduler.kv.pins.num_pinned,
+                "max_pinned_blocks": self.scheduler.kv.pins.max_blocks,
+                "query_tokens": stats.num_prefix_query_tokens, "hit_tokens": stats.num_prefix_hit_tokens,
+                "hit_rate": stats.num_prefix_hit_tokens / max(1, stats.num_prefix_query_tokens),
+                "evictions": pool.num_evictions}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._aborted)

@@ -51,6 +51,14 @@ class BlockPool:
     def lookup(self, block_hash: Hashable) -> KVBlock | None:
         return self._cached.get(block_hash)
 
+    def cached_keys(self):
+        return self._cached.keys()
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no request or pin holds (the pool may reuse them at any time)."""
+        return sum(1 for b in self._free_queue.values() if b.block_hash is not None)
+
     # ---- mutations ----------------------------------------------------------------------
     def allocate(self, n: int) -> list[KVBlock]:
         """Take n blocks from the LRU front, evicting their cached hashes. Pre: n <= num_free_blocks."""

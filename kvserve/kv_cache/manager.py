@@ -7,15 +7,34 @@ apart. With prefix caching off, only requests given the same salt (the n samples
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Hashable
 
 from kvserve.kv_cache.block_pool import BlockPool, KVBlock
+from kvserve.kv_cache.pins import PinTable
 from kvserve.request import Request
 
 
+@dataclass
+class PrefixExplanation:
+    """Why a prompt would (not) hit the prefix cache."""
+
+    num_prompt_tokens: int
+    num_hit_tokens: int
+    """Tokens that admission would take from the cache (full blocks; never the last prompt token)."""
+    num_matched_tokens: int
+    """Tokens matching the closest cached sequence: where the prompt and that sequence diverge."""
+    cached_continuation: list[int] | None
+    """The closest cached sequence's tokens from the block where they diverge (None: it ends there)."""
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool,
+                 max_pinned_blocks: int | None = None, clock: Callable[[], float] = time.monotonic):
         self.pool = pool
+        self.pins = PinTable(pool, pool.num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks, clock)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, list[KVBlock]] = {}
@@ -27,11 +46,7 @@ class KVCacheManager:
 
     def _block_keys(self, request: Request, num_full_blocks: int) -> list[Hashable]:
         keys = self._hashes.setdefault(request.request_id, [])
-        bs = self.block_size
-        while len(keys) < num_full_blocks:
-            i = len(keys)
-            parent = hash(keys[-1]) if keys else None
-            keys.append((parent, tuple(request.token_slice(i * bs, (i + 1) * bs)), request.cache_salt))
+        _extend_keys(keys, request.token_slice, num_full_blocks, self.block_size, request.cache_salt)
         return keys
 
     # ---- admission ----------------------------------------------------------------------
@@ -65,6 +80,7 @@ class KVCacheManager:
         if num_needed > num_available:
             return False
         self.pool.touch(computed_blocks)
+        self.pins.renew(computed_blocks)
         table = self._tables.setdefault(request.request_id, [])
         table.extend(computed_blocks)
         if computed_blocks:
@@ -86,6 +102,33 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache(table[i], keys[i])
         self._num_registered[request.request_id] = num_full
+
+    def pin_prefix(self, request: Request, num_tokens: int, ttl: float) -> int:
+        """Pin the request's cached full blocks covering its first num_tokens tokens for ttl seconds.
+        Returns the number of tokens pinned (fewer when the pin bound is reached)."""
+        table = self._tables.get(request.request_id, [])
+        blocks = [b for b in table[:num_tokens // self.block_size] if b.block_hash is not None]
+        return self.pins.pin(blocks, ttl) * self.block_size
+
+    def explain(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixExplanation:
+        """Longest cached prefix of token_ids, and where the closest cached sequence diverges from it."""
+        bs = self.block_size
+        keys: list[Hashable] = []
+        _extend_keys(keys, lambda a, b: token_ids[a:b], len(token_ids) // bs, bs, cache_salt)
+        hit = 0
+        while hit < len(keys) and self.pool.lookup(keys[hit]) is not None:
+            hit += 1
+        parent = hash(keys[hit - 1]) if hit else None
+        rest = token_ids[hit * bs:(hit + 1) * bs]
+        best, continuation = 0, None
+        for key in self.pool.cached_keys():
+            if key[0] != parent or key[2] != cache_salt:
+                continue
+            common = next((i for i, (a, b) in enumerate(zip(rest, key[1])) if a != b), min(len(rest), bs))
+            if continuation is None or common > best:
+                best, continuation = common, list(key[1])
+        admitted = min(hit, (len(token_ids) - 1) // bs) * bs
+        return PrefixExplanation(len(token_ids), admitted, hit * bs + best, continuation)
 
     def free(self, request: Request, finished: bool = True) -> None:
         """Release the request's blocks (tail first). A preempted request keeps its block keys."""
@@ -109,7 +152,7 @@ class KVCacheManager:
         """Pool invariants, plus: each block's ref_count equals the number of live tables holding it,
         no block twice in one table, each table covers its request's computed tokens."""
         self.pool.check_invariants()
-        holders: dict[int, int] = {}
+        holders: dict[int, int] = self.pins.holders()
         for req_id, table in self._tables.items():
             ids = [b.block_id for b in table]
             assert len(ids) == len(set(ids)), f"request {req_id} holds a block twice: {ids}"
@@ -121,3 +164,15 @@ class KVCacheManager:
         for b in self.pool.blocks:
             assert b.ref_count == holders.get(b.block_id, 0), (
                 f"block {b.block_id}: ref_count {b.ref_count} but {holders.get(b.block_id, 0)} holders")
+        assert self.pins.num_pinned <= self.pins.max_blocks
+        for bid in self.pins.holders():
+            assert self.pool.blocks[bid].block_hash is not None, f"pinned block {bid} is not cached"
+
+
+def _extend_keys(keys: list[Hashable], token_slice: Callable[[int, int], list[int]], num_full_blocks: int,
+                 block_size: int, salt: str | None) -> None:
+    """Append chained block keys (parent hash, tokens, salt) until keys covers num_full_blocks."""
+    while len(keys) < num_full_blocks:
+        i = len(keys)
+        parent = hash(keys[-1]) if keys else None
+        keys.append((parent, tuple(token_slice(i * block_size, (i + 1) * block_size)), salt))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
+from kvserve.scheduler.policy import WaitingOrder
 
 
 @dataclass
@@ -44,6 +45,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    """fcfs, or lpm: longest cached prefix first (bounded: see WaitingOrder)."""
 
 
 class Scheduler:
@@ -55,6 +58,7 @@ class Scheduler:
         self.running: list[Request] = []        # in admission order
         self.stats = SchedulerStats()
         self._wait_for: dict[str, Request] = {}  # request id -> sibling whose prompt KV it will reuse
+        self.order = WaitingOrder(config.policy, kv_manager)
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request, wait_for: Request | None = None) -> None:
@@ -79,6 +83,7 @@ class Scheduler:
         req.timings.finished = time.monotonic()
         self.kv.free(req, finished=True)
         self._wait_for.pop(request_id, None)
+        self.order.forget(request_id)
         return req
 
     @property
@@ -91,6 +96,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self.kv.pins.expire()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -114,6 +120,9 @@ class Scheduler:
 
         # NOTE: no admissions in a step that preempted: the pool is short, and a new request would only
         # take the blocks the preempted one needs to come back.
+        if not preempted:
+            self.order.reorder(self.waiting)
+        admitted: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             sibling = self._wait_for.get(req.request_id)
@@ -129,7 +138,7 @@ class Scheduler:
             elif num_new > budget:
                 break
             req.num_computed_tokens = num_hit
-            if not self.kv.allocate_slots(req, num_new, computed):
+            if not self._allocate_for_admission(req, num_new, computed):
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
@@ -140,13 +149,24 @@ class Scheduler:
                 self.stats.num_prefix_hit_tokens += num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            admitted.append(req)
             scheduled.append(self._entry(req, num_new))
             budget -= num_new
+        self.order.after_admission(self.waiting, admitted)
 
         scheduled.sort(key=lambda s: s.num_tokens != 1)  # stable: decodes first
         total = sum(s.num_tokens for s in scheduled)
         assert total <= cfg.max_num_batched_tokens and len(self.running) <= cfg.max_num_seqs
         return SchedulerOutput(scheduled, total, preempted)
+
+    def _allocate_for_admission(self, req: Request, num_new: int, computed) -> bool:
+        if self.kv.allocate_slots(req, num_new, computed):
+            return True
+        if self.running or not self.kv.pins.num_pinned:
+            return False
+        # NOTE: nothing runs, so nothing will free blocks: pins must yield or the queue would stall forever.
+        self.kv.pins.release_oldest(self.kv.pins.num_pinned)
+        return self.kv.allocate_slots(req, num_new, computed)
 
     def _entry(self, req: Request, num_new: int) -> ScheduledRequest:
         samples = req.num_computed_tokens + num_new == req.num_tokens
@@ -175,6 +195,8 @@ class Scheduler:
                 continue
             req.num_computed_tokens += s.num_tokens
             self.kv.cache_full_blocks(req)
+            if req.cache_pin and req.num_pinned_tokens is None and req.num_computed_tokens >= req.cache_pin[0]:
+                req.num_pinned_tokens = self.kv.pin_prefix(req, *req.cache_pin)
             if not s.samples:
                 continue
             token = sampled[req.request_id]
