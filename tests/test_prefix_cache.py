@@ -10,7 +10,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.request import Request, RequestStatus
+from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.policy import MAX_SKIPS, WaitingOrder
 
@@ -146,4 +146,3 @@ def test_lpm_admits_longest_cached_prefix_first_with_a_bound(policy):
             order.after_admission(waiting, [waiting[0]])
         order.reorder(waiting)
         assert waiting[0] is starving
-        starving.status = RequestStatus.WAITING

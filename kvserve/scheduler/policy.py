@@ -32,6 +32,7 @@ class WaitingOrder:
         items = list(waiting)
         first = [r for r in items if r.status == RequestStatus.PREEMPTED
                  or self._skips.get(r.request_id, 0) >= MAX_SKIPS]
+        first.sort(key=lambda r: (r.status != RequestStatus.PREEMPTED, r.timings.arrival))
         rest = [r for r in items if r not in first]
         hits = {r.request_id: len(self.kv.get_computed_blocks(r)) for r in rest}
         rest.sort(key=lambda r: (-hits[r.request_id], r.timings.arrival))
