@@ -23,6 +23,9 @@ class EngineArgs:
         "help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
         "choices": _DTYPES})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda", "choices": ("auto", "cpu", "cuda")})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "auto (the C++ paged decode kernel on CPU when it builds), cpu_paged, or torch_sdpa",
+        "choices": ("auto", "cpu_paged", "torch_sdpa")})
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: str = field(default="2GiB", metadata={
         "help": "KV-cache pool size on CPU, e.g. 2GiB or 512MiB"})

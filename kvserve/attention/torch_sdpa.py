@@ -30,6 +30,8 @@ class TorchSDPAMetadata:
     decode_gather_idx: torch.Tensor | None  # [Bd, Lmax] slots (padding points at slot 0, masked out)
     decode_mask: torch.Tensor | None        # [Bd, 1, 1, Lmax] bool, True = attend
     prefills: list[PrefillChunk]
+    decode_block_table: torch.Tensor | None = None  # [Bd, max_blocks], for the C++ decode kernel
+    decode_seq_lens: torch.Tensor | None = None     # [Bd]
 
 
 def _token_slots(block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -46,7 +48,12 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 class TorchSDPABackend:
-    name = "torch_sdpa"
+    """`decode_kernel`: the compiled paged decode kernel (cpu_kernels.load_paged_decode()), or None for the
+    pure PyTorch gather + SDPA path. Both produce the same attention (tests compare them)."""
+
+    def __init__(self, decode_kernel=None):
+        self.decode_kernel = decode_kernel
+        self.name = "cpu_paged" if decode_kernel is not None else "torch_sdpa"
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         # NOTE: K and V of a slot sit side by side so that one gather fetches both.
@@ -55,8 +62,11 @@ class TorchSDPABackend:
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         bs = common.block_size
         nd = common.num_decodes
-        decode_gather_idx = decode_mask = None
-        if nd:
+        decode_gather_idx = decode_mask = decode_table = decode_lens = None
+        if nd and self.decode_kernel is not None:
+            decode_table = common.block_table[:nd].contiguous()
+            decode_lens = common.seq_lens[:nd].contiguous()
+        elif nd:
             seq_lens = common.seq_lens[:nd]                                  # [Bd]
             max_len = max(common.seq_lens_cpu[:nd])
             pos = torch.arange(max_len)                                      # [Lmax]
@@ -78,7 +88,7 @@ class TorchSDPABackend:
                 mask = torch.arange(seq_len)[None, :] <= (torch.arange(q_len)[:, None] + ctx)
             prefills.append(PrefillChunk(starts[i], q_len, ctx, gather_idx, mask))
         return TorchSDPAMetadata(common.slot_mapping, common.num_decode_tokens, decode_gather_idx,
-                                 decode_mask, prefills)
+                                 decode_mask, prefills, decode_table, decode_lens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TorchSDPAMetadata, scale: float) -> torch.Tensor:
@@ -87,7 +97,10 @@ class TorchSDPABackend:
         flat.index_copy_(0, meta.slot_mapping, torch.stack((k, v), dim=1))
         out = torch.empty_like(q)                                           # [T, Hq, D]
         nd = meta.num_decode_tokens
-        if nd:
+        if nd and self.decode_kernel is not None:
+            out[:nd] = self.decode_kernel.paged_decode_attention(
+                q[:nd].contiguous(), kv_cache, meta.decode_block_table, meta.decode_seq_lens, scale)
+        elif nd:
             out[:nd] = self._decode(q[:nd], flat, meta, scale)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)

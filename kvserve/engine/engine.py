@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.attention.registry import make_backend
 from kvserve.config import EngineArgs
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv_cache.block_pool import BlockPool
@@ -79,7 +79,7 @@ class Engine:
         self.tokenizer = load_tokenizer(source)
         self.eos_token_ids = self._eos_token_ids()
 
-        backend = TorchSDPABackend()
+        backend = make_backend(args.attention_backend, self.device.type)
         model = build_model(self.hf_config, backend, self.max_model_len, self.dtype, self.device)
         load_weights(model, iter_checkpoint_tensors(source, self.dtype))
         model.eval()

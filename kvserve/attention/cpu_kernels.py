@@ -1,0 +1,31 @@
+"""The C++ paged decode-attention kernel (csrc/paged_decode.cpp), compiled on first use.
+
+Decode attention on CPU is memory-bound: the PyTorch path gathers every context into a padded copy per
+layer (a write and a second read of all K/V) before SDPA reads it again. The kernel reads K/V in place
+through the block table. It is built with torch's cpp_extension (ninja + the system C++ compiler) into
+torch's extension cache, so only the first process on a machine pays the compile (~1 min).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+
+
+@functools.lru_cache(maxsize=1)
+def load_paged_decode():
+    """The compiled module, or None (logged) when it cannot be built here."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="kvserve_paged_decode", sources=[_SOURCE],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler / ninja, unsupported platform: fall back to the PyTorch path
+        logger.warning("C++ paged decode attention unavailable (%s); using the PyTorch gather path",
+                       str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
