@@ -95,10 +95,3 @@ def test_percentiles_match_numpy_linear_interpolation():
     assert s["mean_ms"] == pytest.approx(50.5) and s["median_ms"] == pytest.approx(50.5)
     assert s["p99_ms"] == pytest.approx(99.01)
     assert bench._stats([]) == {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
-
-
-def test_bad_workload_line_names_the_line(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"prompt_token_ids": [1], "max_tokens": 2}\n{"max_tokens": 2}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
-        bench.load_workload(str(path))

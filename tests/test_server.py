@@ -254,6 +254,23 @@ def test_chat_whole_and_streamed(client, model, check_schema):
     assert {c.index: c.message.content for c in whole_n.choices} == streamed
 
 
+def test_sampling_fields_reach_the_engine(client, model):
+    base = dict(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
+                extra_body={"ignore_eos": True})
+    text = client.completions.create(**base).choices[0].text
+    stop = text[6:10]
+    cut = client.completions.create(**base, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.find(stop)]
+    sampled = dict(model=model, prompt="Once upon a time", max_tokens=16, temperature=0.8, top_p=0.9,
+                   presence_penalty=0.5, frequency_penalty=0.5, seed=1,
+                   extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 4,
+                               "stop_token_ids": [2], "skip_special_tokens": True})
+    everything = client.completions.create(**sampled)
+    assert everything.usage.completion_tokens >= 4
+    again = client.completions.create(**sampled)
+    assert again.choices[0].text == everything.choices[0].text  # seeded
+
+
 def test_stream_never_splits_multibyte_characters(tiny_llama, client, model):
     """Byte tokens biased up so that 2-byte characters (é = Ã + ©) are spelled one byte per token."""
     from transformers import AutoTokenizer
@@ -297,6 +314,7 @@ def test_32_concurrent_streams(server, http, model):
                                       timeout=60) as c:
             return await asyncio.gather(*(one(c, i) for i in range(32)))
 
+    wait_idle(http)  # 32 = max_num_seqs + max_queue_len: nothing else may be in flight
     results = asyncio.run(main())
     assert all(usage == 24 and reason == "length" and text for text, usage, reason in results)
     wait_idle(http)
@@ -322,6 +340,13 @@ def test_disconnect_mid_stream_frees_kv_blocks(server, http, model):
     assert metric(http, "kvserve:num_requests_running") == 0
     assert metric(http, "kvserve:request_success_total", finished_reason="abort") == aborted_before + 1
     assert metric(http, "kvserve:generation_tokens_total") - generated_before < 800
+
+    # a non-streaming client that gives up is noticed too (the handler watches for http.disconnect)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", headers=http.headers, timeout=httpx.Timeout(30, read=0.5),
+                   json={**body, "stream": False})
+    wait_idle(http, timeout=5)
+    assert metric(http, "kvserve:request_success_total", finished_reason="abort") == aborted_before + 2
 
 
 def test_burst_over_capacity_gets_only_200_and_429(server, http, model, check_schema):

@@ -23,14 +23,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-
-@dataclass(frozen=True)
-class WorkloadRequest:
-    id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    ignore_eos: bool
-    arrival_s: float
+from kvserve.bench.workload import WorkloadRequest, load_workload
 
 
 @dataclass
@@ -52,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=None,
                         help="Poisson arrivals at this many requests/s (inf: all at once); "
                              "default: the workload's arrival_s")
-    parser.add_argument("--num-prompts", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--num-prompts", "--num-requests", dest="num_prompts", type=int, default=None,
+                        help="replay only the first N requests")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
@@ -72,26 +66,6 @@ def run(args: argparse.Namespace) -> int:
                          "request_rate": args.request_rate, "num_prompts": len(requests)}
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0 if summary["completed"] else 1
-
-
-def load_workload(path: str, limit: int | None = None) -> list[WorkloadRequest]:
-    requests = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                requests.append(WorkloadRequest(str(d.get("id", line_no)), list(d["prompt_token_ids"]),
-                                                int(d["max_tokens"]), bool(d.get("ignore_eos", False)),
-                                                float(d.get("arrival_s", 0.0))))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{line_no}: not a workload request ({e})") from None
-            if limit is not None and len(requests) == limit:
-                break
-    if not requests:
-        raise ValueError(f"{path}: no requests")
-    return requests
 
 
 def arrival_times(requests: list[WorkloadRequest], request_rate: float | None, seed: int) -> list[float]:

@@ -6,16 +6,15 @@ The Engine is not thread-safe, so exactly one EngineLoop owns it and makes every
 blocks on its inbox while the engine is idle (no spinning) and, while busy, applies whatever arrived
 between two steps, so an abort frees its KV blocks before the next step runs.
 
-The loop runs either on a thread of the server process (the default) or in a child process
-(`use_process=True`); both use the same EngineLoop and the same messages, only the transport differs.
-docs/SERVER.md records the measurement that picked the default.
+The loop runs on a thread of this process or, with `use_process=True` (what `kvserve serve` does by
+default), in a spawned child process; both run the same EngineLoop on the same messages, only the
+transport differs. docs/SERVER.md records the measurement behind the server's choice.
 """
 from __future__ import annotations
 
 import asyncio
 import copy
 import dataclasses
-import itertools
 import logging
 import multiprocessing
 import queue
@@ -27,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.config import EngineArgs
+from kvserve.engine.engine import Engine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -119,7 +119,7 @@ class EngineLoop:
     `emit(message)` hands a message to the asyncio side. Both are the transport's.
     """
 
-    def __init__(self, engine, recv: Callable[[bool], list], emit: Callable[[object], None]):
+    def __init__(self, engine: Engine, recv: Callable[[bool], list], emit: Callable[[object], None]):
         self.engine = engine
         self._recv = recv
         self._emit = emit
@@ -165,8 +165,6 @@ class EngineLoop:
 
 def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None]) -> None:
     """Body of the engine thread or process: build the Engine, report ready, loop until shutdown."""
-    from kvserve.engine.engine import Engine  # NOTE: imported here so the server process need not load torch models
-
     try:
         engine = Engine(args)
     except Exception as e:  # a bad --model or flag: the server reports it and exits
@@ -221,8 +219,10 @@ class _ThreadTransport:
 
 
 def _process_main(args: EngineArgs, conn) -> None:
-    # NOTE: Ctrl+C reaches the whole process group; the server process decides when the engine stops.
+    # NOTE: Ctrl+C (and a service manager's SIGTERM) can reach the whole process group; the server process
+    # decides when the engine stops (it sends _SHUTDOWN after draining; if it dies, the pipe's EOF stops us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def recv(block: bool) -> list:
@@ -341,8 +341,7 @@ class AsyncEngine:
         self.max_queue_len = max_queue_len
         self.use_process = use_process
         self.info: EngineInfo | None = None
-        self.tokenizer = None
-        """The model's tokenizer, for the asyncio side (a copy of the engine's); set by start()."""
+        self.tokenizer = None  # set by start(): a copy of the engine's, for use on the event loop
         self.stats = EngineStats()
         self.dead_reason: str | None = None
         self._transport: _ThreadTransport | _ProcessTransport | None = None
@@ -351,7 +350,6 @@ class AsyncEngine:
         self._pending_adds: dict[str, asyncio.Future] = {}
         self._num_inflight_seqs = 0
         self._listeners: list[Callable[[StepReport], None]] = []
-        self._ids = itertools.count()
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self) -> EngineInfo:
@@ -390,9 +388,6 @@ class AsyncEngine:
 
     def add_listener(self, listener: Callable[[StepReport], None]) -> None:
         self._listeners.append(listener)
-
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
 
     # ---- requests -------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -441,7 +436,7 @@ class AsyncEngine:
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(message)
         elif isinstance(message, _Stopped):
-            if message.error is not None:
+            if message.error is not None and self._transport is not None:  # not after start() failed
                 logger.error("engine loop stopped: %s", message.error)
                 self.dead_reason = "the engine stopped after an internal error"
             if self._ready is not None and not self._ready.done():

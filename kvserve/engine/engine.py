@@ -18,6 +18,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.sizing import kv_bytes_per_token
+from kvserve.models.cpu_linear import onednn_available, prepack_linears
 from kvserve.models.loader import (ModelSource, build_model, iter_checkpoint_tensors, load_hf_config,
                                    load_tokenizer, load_weights)
 from kvserve.models.registry import resolve_architecture
@@ -83,6 +84,9 @@ class Engine:
         model = build_model(self.hf_config, backend, self.max_model_len, self.dtype, self.device)
         load_weights(model, iter_checkpoint_tensors(source, self.dtype))
         model.eval()
+        if self.device.type == "cpu" and self.dtype == torch.float32 and onednn_available():
+            model.untie_lm_head()
+            prepack_linears(model)
 
         self.kv_layout = self._size_kv_cache(args)
         self.runner = ModelRunner(model, backend, self.kv_layout.num_blocks, args.block_size, self.dtype,

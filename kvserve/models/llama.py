@@ -141,5 +141,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()                               # [N, vocab]
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()                               # [N, vocab]
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def untie_lm_head(self) -> None:
+        """Give a tied model its own LM-head module (sharing the embedding's storage), so the head can
+        be swapped for a faster implementation like every other linear layer."""
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
+                                     device=self.embed_tokens.weight.device, dtype=self.embed_tokens.weight.dtype)
+            self.lm_head.weight = self.embed_tokens.weight
