@@ -8,12 +8,25 @@ torch's extension cache, so only the first process on a machine pays the compile
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+
+
+def _cpu_tag() -> str:
+    """A short digest of this CPU's instruction-set flags. The build uses -march=native, and torch's
+    extension cache outlives the machine it was built on: a new CPU must not load an old build."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
 @functools.lru_cache(maxsize=1)
@@ -22,7 +35,7 @@ def load_paged_decode():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="kvserve_paged_decode", sources=[_SOURCE],
+        return load(name=f"kvserve_paged_decode_{_cpu_tag()}", sources=[_SOURCE],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler / ninja, unsupported platform: fall back to the PyTorch path

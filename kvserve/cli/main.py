@@ -15,6 +15,7 @@ _COMMANDS = {
 _BENCH = {
     "offline": ("kvserve.bench.offline", "offline throughput vs transformers, same run"),
     "serve": ("kvserve.bench.serve", "replay a workload against an OpenAI-compatible server"),
+    "prefix": ("kvserve.bench.prefix", "a shared-prefix workload offline, prefix caching on vs off, same run"),
 }
 
 

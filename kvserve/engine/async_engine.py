@@ -1,6 +1,7 @@
 """AsyncEngine: the Engine stepping continuously in the background, driven from asyncio.
 
     handlers --add / abort--> inbox --> EngineLoop (owns the Engine) --StepReport--> per-request streams
+    handlers --query--------> inbox --> EngineLoop --_QueryResult--> the awaiting handler (debug endpoints)
 
 The Engine is not thread-safe, so exactly one EngineLoop owns it and makes every engine call. The loop
 blocks on its inbox while the engine is idle (no spinning) and, while busy, applies whatever arrived
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import queue
@@ -63,6 +65,8 @@ class EngineStats:
     num_preemptions_total: int = 0
     num_prefix_query_tokens_total: int = 0
     num_prefix_hit_tokens_total: int = 0
+    num_pinned_blocks: int = 0
+    """KV blocks held by prompt-cache pins (cache_control) right now."""
     num_steps_total: int = 0
     busy_s: float = 0.0
     """Seconds spent inside Engine.step(); its growth over wall time is the loop's busy fraction."""
@@ -84,11 +88,32 @@ class _Add:
     params: SamplingParams
     prompt_text: str | None
     arrival_time: float
+    cache_pin: tuple[int, float] | None = None  # (prefix tokens, TTL seconds): see Engine.add_request
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Query:
+    """A read-only question for the Engine, answered between steps (the debug endpoints)."""
+
+    query_id: int
+    method: str  # one of _QUERY_METHODS
+    args: tuple = ()
+
+
+# NOTE: an allow-list, so a message can never make the loop call an engine method that changes state.
+_QUERY_METHODS = ("explain_prefix", "prefix_cache_stats")
+
+
+@dataclass(frozen=True)
+class _QueryResult:
+    query_id: int
+    result: object
+    error: str | None  # the engine's ValueError message; None on success
 
 
 @dataclass(frozen=True)
@@ -144,13 +169,28 @@ class EngineLoop:
         if isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)
             return
+        if isinstance(command, _Query):
+            self._answer(command)
+            return
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                    prompt_text=command.prompt_text, arrival_time=command.arrival_time)
+                                    prompt_text=command.prompt_text, arrival_time=command.arrival_time,
+                                    cache_pin=command.cache_pin)
         except ValueError as e:
             self._emit(_AddResult(command.request_id, str(e)))
         else:
             self._emit(_AddResult(command.request_id, None))
+
+    def _answer(self, query: _Query) -> None:
+        if query.method not in _QUERY_METHODS:
+            self._emit(_QueryResult(query.query_id, None, f"unknown engine query {query.method!r}"))
+            return
+        try:
+            result = getattr(self.engine, query.method)(*query.args)
+        except ValueError as e:
+            self._emit(_QueryResult(query.query_id, None, str(e)))
+        else:
+            self._emit(_QueryResult(query.query_id, result, None))
 
     def stats(self) -> EngineStats:
         sched = self.engine.scheduler
@@ -160,6 +200,7 @@ class EngineLoop:
             num_preemptions_total=sched.stats.num_preemptions,
             num_prefix_query_tokens_total=sched.stats.num_prefix_query_tokens,
             num_prefix_hit_tokens_total=sched.stats.num_prefix_hit_tokens,
+            num_pinned_blocks=sched.kv.pins.num_pinned,
             num_steps_total=self._num_steps, busy_s=self._busy_s)
 
 
@@ -331,7 +372,8 @@ class AsyncEngine:
     Use from one event loop: `await start()`, then `stream = await add_request(...)` (raises ValueError
     for a request the engine rejects, EngineOverloadedError past capacity) and `async for out in stream`.
     At most max_num_seqs + max_queue_len sequences (a request with n samples counts n) are in flight.
-    Listeners get every StepReport on the event loop (metrics).
+    Listeners get every StepReport on the event loop (metrics). `explain_prefix` and
+    `prefix_cache_stats` ask the engine itself (it may live in another process), between two steps.
     """
 
     def __init__(self, args: EngineArgs, *, max_queue_len: int = 256, use_process: bool = False):
@@ -348,6 +390,8 @@ class AsyncEngine:
         self._ready: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds: dict[str, asyncio.Future] = {}
+        self._pending_queries: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count()
         self._num_inflight_seqs = 0
         self._listeners: list[Callable[[StepReport], None]] = []
 
@@ -391,9 +435,12 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          prompt_text: str | None = None) -> RequestStream:
+                          prompt_text: str | None = None,
+                          cache_pin: tuple[int, float] | None = None) -> RequestStream:
         """Queue a request once the engine accepted it. Raises ValueError (rejected by the engine: the
-        message says why), EngineOverloadedError (over capacity) or EngineDeadError."""
+        message says why), EngineOverloadedError (over capacity) or EngineDeadError.
+
+        cache_pin: (prefix tokens, TTL seconds) to pin in the prefix cache (see Engine.add_request)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._streams:
@@ -407,7 +454,8 @@ class AsyncEngine:
         self._num_inflight_seqs += params.n
         added = asyncio.get_running_loop().create_future()
         self._pending_adds[request_id] = added
-        self._transport.send(_Add(request_id, list(prompt_token_ids), params, prompt_text, time.monotonic()))
+        self._transport.send(_Add(request_id, list(prompt_token_ids), params, prompt_text, time.monotonic(),
+                                  cache_pin))
         try:
             error = await added
         except asyncio.CancelledError:  # the client left while the engine was busy with a step
@@ -416,6 +464,30 @@ class AsyncEngine:
         if error is not None:
             raise ValueError(error)
         return stream
+
+    # ---- read-only questions to the engine ------------------------------------------------------
+    async def explain_prefix(self, prompt: str | list[int]) -> dict:
+        """Engine.explain_prefix, asked between two steps. Raises ValueError (e.g. an empty prompt)."""
+        return await self._query("explain_prefix", prompt)
+
+    async def prefix_cache_stats(self) -> dict:
+        """Engine.prefix_cache_stats, asked between two steps."""
+        return await self._query("prefix_cache_stats")
+
+    async def _query(self, method: str, *args):
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        query_id = next(self._query_ids)
+        answered = asyncio.get_running_loop().create_future()
+        self._pending_queries[query_id] = answered
+        self._transport.send(_Query(query_id, method, args))
+        try:
+            result, error = await answered
+        finally:
+            self._pending_queries.pop(query_id, None)
+        if error is not None:
+            raise ValueError(error)
+        return result
 
     def abort(self, request_id: str) -> None:
         """Ask the loop to abort a request; its final output (finish_reason "abort") ends its stream."""
@@ -432,6 +504,10 @@ class AsyncEngine:
                 self._forget(message.request_id)
             if future is not None and not future.done():
                 future.set_result(message.error)
+        elif isinstance(message, _QueryResult):
+            future = self._pending_queries.get(message.query_id)
+            if future is not None and not future.done():
+                future.set_result((message.result, message.error))
         elif isinstance(message, _Ready):
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(message)
@@ -467,6 +543,9 @@ class AsyncEngine:
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
         self._pending_adds.clear()
+        for future in self._pending_queries.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
         for request_id, stream in list(self._streams.items()):
             stream._queue.put_nowait(EngineDeadError(reason))
             self._forget(request_id)

@@ -1,7 +1,8 @@
 """The FastAPI app: routes, API-key check, and the start-up / shutdown of the AsyncEngine.
 
-Routes are thin: they parse and delegate to serving_completions / serving_chat, which talk to the
-engine only through AsyncEngine. All server state lives in one ServerState on `app.state`.
+Routes are thin: they parse and delegate to serving_completions / serving_chat / serving_messages
+(Anthropic) / serving_debug, which talk to the engine only through AsyncEngine. All server state lives
+in one ServerState on `app.state`.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from kvserve.server.protocol import (ChatCompletionRequest, DetokenizeRequest, D
 from kvserve.server.serving import ServerState, read_body
 from kvserve.server.serving_chat import create_chat_completion
 from kvserve.server.serving_completions import create_completion
+from kvserve.server.serving_debug import explain_prefix, prefix_cache_stats
+from kvserve.server.serving_messages import count_tokens, create_message
 
 logger = logging.getLogger("kvserve.server")
 
@@ -68,9 +71,12 @@ def build_app(config: ServerConfig, engine_args: EngineArgs) -> FastAPI:
     async def check_api_key(request: Request) -> None:
         if config.api_key is None:
             return
+        # OpenAI clients send `Authorization: Bearer KEY`, Anthropic clients `x-api-key: KEY`; either works.
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)",
+        offered = [token.strip()] if scheme.lower() == "bearer" else []
+        offered += [request.headers["x-api-key"].strip()] if "x-api-key" in request.headers else []
+        if not any(hmac.compare_digest(key.encode(), config.api_key.encode()) for key in offered):
+            raise APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     _add_routes(app, [Depends(check_api_key)])
@@ -85,6 +91,22 @@ def _add_routes(app: FastAPI, auth: list) -> None:
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(_state(request), request)
+
+    @app.post("/v1/messages", dependencies=auth)
+    async def messages(request: Request) -> Response:
+        return await create_message(_state(request), request)
+
+    @app.post("/v1/messages/count_tokens", dependencies=auth)
+    async def messages_count_tokens(request: Request) -> Response:
+        return await count_tokens(_state(request), request)
+
+    @app.post("/debug/prefix-cache/explain", dependencies=auth)
+    async def debug_prefix_cache_explain(request: Request) -> Response:
+        return await explain_prefix(_state(request), request)
+
+    @app.get("/debug/prefix-cache", dependencies=auth)
+    async def debug_prefix_cache(request: Request) -> Response:
+        return await prefix_cache_stats(_state(request))
 
     @app.get("/v1/models", dependencies=auth)
     async def models(request: Request) -> Response:

@@ -1,8 +1,12 @@
-"""OpenAI-shaped errors: every 4xx/5xx body is {"error": {"message", "type", "param", "code"}}.
+"""API errors in the client's dialect: every 4xx/5xx body is OpenAI's
+{"error": {"message", "type", "param", "code"}}, except under /v1/messages (the Anthropic Messages API),
+where it is Anthropic's {"type": "error", "error": {"type", "message"}}.
 
 Route code raises APIError; the handlers installed by `install_error_handlers` turn it, and every
 error FastAPI or Starlette would answer in their own shape (422 validation bodies, 404/405 for
-unknown routes, unexpected exceptions), into that body.
+unknown routes, unexpected exceptions), into that body. The shape follows the request's path, so the
+API-key check and body parsing, which run before any Anthropic handler code, answer Anthropic clients
+in Anthropic's shape too.
 """
 from __future__ import annotations
 
@@ -21,6 +25,13 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 503: "server_error"}
 
+# Anthropic's `type` for each status (their documented table; 529 is their "overloaded" status).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "api_error", 529: "overloaded_error"}
+
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+
 
 class APIError(Exception):
     """An error answered to the client as OpenAI error JSON with the given HTTP status."""
@@ -38,16 +49,28 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        fallback = "invalid_request_error" if self.status_code < 500 else "api_error"
+        kind = _ANTHROPIC_TYPES.get(self.status_code, fallback)
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+
+
+def is_anthropic(request: Request) -> bool:
+    return request.url.path.startswith(ANTHROPIC_PATH_PREFIX)
 
 
 def from_validation_error(e: ValidationError | RequestValidationError) -> APIError:
-    """400 naming the first offending field (pydantic's 422 is not what OpenAI clients expect)."""
+    """400 naming one offending field (pydantic's 422 is not what OpenAI or Anthropic clients expect)."""
     errors = e.errors()
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
+    # NOTE: a value that fails a union gets one error per member; the deepest one names the member the
+    # client meant (a list of blocks with a bad field, rather than "not a string").
+    first = max(errors, key=lambda err: len(err.get("loc", ())))
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -60,20 +83,20 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return e.response()
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response(is_anthropic(request))
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        return from_validation_error(e).response()
+    async def _request_validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        return from_validation_error(e).response(is_anthropic(request))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if e.status_code == 404 else None
         return APIError(e.status_code, str(e.detail), code=code,
-                        headers=getattr(e, "headers", None)).response()
+                        headers=getattr(e, "headers", None)).response(is_anthropic(request))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(e).__name__}").response()
+        return APIError(500, f"internal server error: {type(e).__name__}").response(is_anthropic(request))

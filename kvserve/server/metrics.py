@@ -58,9 +58,13 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Sequences running in the engine.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting in the engine's queue.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (1 = full).")
+        self.pinned_blocks = gauge("prefix_cache_pinned_blocks", "KV blocks pinned by prompt caching (cache_control).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Preemptions (a running sequence evicted for blocks).")
+        # NOTE: both in tokens, as vLLM counts them: hit rate = hits / queries.
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.busy_seconds = counter("engine_busy_seconds", "Seconds the engine loop spent inside step().")
         self.steps = counter("engine_steps", "Engine steps run.")
         self._finished = Counter("kvserve:request_success", "Finished requests by finish reason.",
@@ -85,7 +89,10 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.pinned_blocks.set(stats.num_pinned_blocks)
         self.preemptions.inc(stats.num_preemptions_total - self._last.num_preemptions_total)
+        self.prefix_queries.inc(stats.num_prefix_query_tokens_total - self._last.num_prefix_query_tokens_total)
+        self.prefix_hits.inc(stats.num_prefix_hit_tokens_total - self._last.num_prefix_hit_tokens_total)
         self.busy_seconds.inc(max(0.0, stats.busy_s - self._last.busy_s))
         self.steps.inc(stats.num_steps_total - self._last.num_steps_total)
         self._last = stats

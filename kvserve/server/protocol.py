@@ -168,6 +168,14 @@ class TokenizeRequest(_Request):
     return_token_strs: bool | None = False
 
 
+class ExplainPrefixRequest(_Request):
+    """POST /debug/prefix-cache/explain: a prompt (text or token ids), or chat messages (chat template)."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+
+
 class DetokenizeRequest(_Request):
     """POST /detokenize (vLLM's)."""
 

@@ -49,15 +49,18 @@ class ServerState:
         return requested
 
     async def open_streams(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
-                           prompt_param: str = "prompt") -> list[RequestStream]:
-        """Queue one engine request per prompt, all or none. Raises APIError (400, 429, 503)."""
+                           prompt_param: str = "prompt",
+                           cache_pin: tuple[int, float] | None = None) -> list[RequestStream]:
+        """Queue one engine request per prompt, all or none. Raises APIError (400, 429, 503).
+
+        cache_pin: (prefix tokens, TTL seconds) pinned in the prefix cache for every prompt."""
         engine = self.engine
         if engine.num_inflight_seqs + params.n * len(prompts) > engine.capacity:
             self.metrics.on_rejected("queue_full")
             raise _overloaded(engine)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
-            *(engine.add_request(rid, p.token_ids, params, p.text) for rid, p in zip(ids, prompts)),
+            *(engine.add_request(rid, p.token_ids, params, p.text, cache_pin) for rid, p in zip(ids, prompts)),
             return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         errors = [r for r in results if not isinstance(r, RequestStream)]

@@ -1,0 +1,160 @@
+"""POST /v1/messages (Anthropic's Messages API) and POST /v1/messages/count_tokens.
+
+The conversation goes through the same chat template as /v1/chat/completions. A stream follows
+Anthropic's event sequence, each event framed as `event: NAME` + `data: JSON`:
+
+    message_start -> content_block_start -> ping -> content_block_delta* -> content_block_stop
+    -> message_delta (stop_reason, usage) -> message_stop
+
+message_start is sent with the engine's first output, not before: its usage carries the cache fields,
+and how much of the prompt the cache served is known only once the request was admitted.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvserve.engine.async_engine import EngineDeadError, RequestStream
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.anthropic_protocol import (CacheCreation, CountTokensRequest, CountTokensResponse,
+                                               MessageResponse, MessagesRequest, TextContent, Usage)
+from kvserve.server.cache_control import TTL_SECONDS, breakpoint_num_tokens, cache_usage, conversation
+from kvserve.server.errors import APIError
+from kvserve.server.prompts import Prompt, chat_prompt, render_chat
+from kvserve.server.serving import EventStream, ServerState, close_all, read_body, unless_disconnected
+
+logger = logging.getLogger("kvserve.server")
+
+# Anthropic answers "the service is overloaded" with 529; our admission limit is exactly that.
+_OVERLOADED = 529
+
+
+async def create_message(state: ServerState, raw_request: Request) -> Response:
+    request = await read_body(raw_request, MessagesRequest, state.config.max_body_size_bytes)
+    model = state.resolve_model(request.model)
+    request.check_supported()
+    params = request.to_sampling_params()
+    prompt = _render(state, request)
+    num_pin_tokens, ttl = _cache_pin(state, request, prompt)
+    run = _MessageRun(model, params, num_pin_tokens, ttl, state.engine.info.block_size)
+    try:
+        cache_pin = (num_pin_tokens, TTL_SECONDS[ttl]) if num_pin_tokens else None
+        streams = await state.open_streams(run.id, [prompt], params, prompt_param="messages", cache_pin=cache_pin)
+    except APIError as e:
+        if e.status_code == 429:
+            raise APIError(_OVERLOADED, e.message, headers=e.headers) from None
+        raise
+    if request.stream:
+        return EventStream(run.events(streams[0]), close_all(streams))
+    return await unless_disconnected(raw_request, run.respond(streams[0]), streams)
+
+
+async def count_tokens(state: ServerState, raw_request: Request) -> Response:
+    request = await read_body(raw_request, CountTokensRequest, state.config.max_body_size_bytes)
+    state.resolve_model(request.model)
+    request.check_supported()
+    request.cache_breakpoints()  # validated like a Messages request, though nothing is pinned
+    body = CountTokensResponse(input_tokens=len(_render(state, request).token_ids))
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _render(state: ServerState, request: CountTokensRequest) -> Prompt:
+    prefill = request.continues_assistant
+    text = render_chat(state.tokenizer, conversation(request.conversation_parts()), add_generation_prompt=not prefill,
+                       continue_final_message=prefill)
+    return chat_prompt(state.tokenizer, text)
+
+
+def _cache_pin(state: ServerState, request: CountTokensRequest, prompt: Prompt) -> tuple[int, str]:
+    """(prefix tokens, TTL) of the last cache_control breakpoint, the longest prefix; 0 tokens for none."""
+    breakpoints = request.cache_breakpoints()
+    if not breakpoints:
+        return 0, "5m"
+    bp = breakpoints[-1]
+    try:
+        num_tokens = breakpoint_num_tokens(state.tokenizer, request.conversation_parts(), bp, prompt.token_ids)
+    except APIError as e:
+        # NOTE: some templates refuse a truncated conversation; caching is an optimization, so the request
+        # runs unpinned rather than failing.
+        logger.warning("cache_control ignored: the chat template cannot render the prefix (%s)", e.message)
+        return 0, bp.ttl
+    return num_tokens, bp.ttl
+
+
+def _stop(o) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for an engine completion."""
+    if o.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(o.stop_reason, str):
+        return "stop_sequence", o.stop_reason
+    return "end_turn", None  # EOS (or an abort nobody reads)
+
+
+def _event(name: str, payload: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(payload)}\n\n"
+
+
+class _MessageRun:
+    """Formats one Messages request's engine outputs (streamed or whole)."""
+
+    def __init__(self, model: str, params: SamplingParams, num_pin_tokens: int, pin_ttl: str, block_size: int):
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.model, self.params = model, params
+        self.num_pin_tokens, self.pin_ttl, self.block_size = num_pin_tokens, pin_ttl, block_size
+
+    def _usage(self, out: RequestOutput) -> Usage:
+        c = cache_usage(len(out.prompt_token_ids), out.num_cached_tokens, self.num_pin_tokens, self.block_size)
+        created = c.cache_creation_input_tokens
+        by_ttl = CacheCreation(ephemeral_5m_input_tokens=created if self.pin_ttl == "5m" else 0,
+                               ephemeral_1h_input_tokens=created if self.pin_ttl == "1h" else 0)
+        return Usage(input_tokens=c.input_tokens, output_tokens=len(out.outputs[0].token_ids),
+                     cache_creation_input_tokens=created, cache_read_input_tokens=c.cache_read_input_tokens,
+                     cache_creation=by_ttl)
+
+    def _message(self, out: RequestOutput, text: str, finished: bool) -> MessageResponse:
+        stop_reason, stop_sequence = _stop(out.outputs[0]) if finished else (None, None)
+        return MessageResponse(id=self.id, model=self.model, content=[TextContent(text=text)] if finished else [],
+                               stop_reason=stop_reason, stop_sequence=stop_sequence, usage=self._usage(out))
+
+    async def respond(self, stream: RequestStream) -> Response:
+        final = None
+        try:
+            async for out in stream:
+                final = out
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not available: {e}") from None
+        body = self._message(final, final.outputs[0].text, finished=True)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def events(self, stream: RequestStream) -> AsyncIterator[str]:
+        final = None
+        try:
+            async for out in stream:
+                if final is None:
+                    yield _event("message_start", {"type": "message_start",
+                                                   "message": self._message(out, "", False).model_dump()})
+                    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                         "content_block": {"type": "text", "text": ""}})
+                    yield _event("ping", {"type": "ping"})
+                final = out
+                text = out.new_texts[0]
+                if text:
+                    yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                         "delta": {"type": "text_delta", "text": text}})
+            stop_reason, stop_sequence = _stop(final.outputs[0])
+            yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            usage = self._usage(final).model_dump(exclude={"cache_creation"})
+            yield _event("message_delta", {"type": "message_delta", "usage": usage,
+                                           "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}})
+            yield _event("message_stop", {"type": "message_stop"})
+        except Exception as e:  # the stream already said 200: report in-band, as Anthropic does
+            error = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
+            if isinstance(e, EngineDeadError):
+                error = APIError(503, f"the engine is not available: {e}")
+            yield _event("error", error.anthropic_body())
