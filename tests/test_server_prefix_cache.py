@@ -45,7 +45,8 @@ def model(http):
 
 
 def _ids(http, messages: list[dict], generation_prompt: bool = True) -> list[int]:
-    return http.post("/tokenize", json={"messages": messages, "add_generation_prompt": generation_prompt}).json()["tokens"]
+    body = {"messages": messages, "add_generation_prompt": generation_prompt}
+    return http.post("/tokenize", json=body).json()["tokens"]
 
 
 def _common(a: list[int], b: list[int]) -> int:
