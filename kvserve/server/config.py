@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints
 
+from kvserve.utils.cli_args import add_dataclass_args, dataclass_from_args
 from kvserve.utils.sizes import parse_size
 
 
@@ -54,18 +53,8 @@ class ServerConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """One `--flag-name` per field, with the field's default, type and help."""
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            hint = hints[f.name]
-            kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help")}
-            if hint is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-                continue
-            base = int if hint is int else float if hint is float else str
-            parser.add_argument(flag, type=base, choices=f.metadata.get("choices"), **kwargs)
+        add_dataclass_args(cls, parser)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "ServerConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return dataclass_from_args(cls, args)
