@@ -63,23 +63,28 @@ def test_paged_decode_matches_dense(block_size, num_heads, num_kv_heads, use_ker
     torch.testing.assert_close(out, _dense_decode(q, ks, vs, head_dim ** -0.5), atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_chunk_after_context_matches_dense():
+@pytest.mark.parametrize("ctx, q_len", [(30, 20), (0, 300), (100, 300), (0, 128), (7, 129)])
+def test_prefill_chunk_matches_dense(ctx, q_len):
+    """Chunks are split into query tiles that each see keys up to their own end; any split must equal
+    one dense causal attention."""
     backend = TorchSDPABackend()
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(ctx + q_len)
     bs, hkv, hq, d = 16, 2, 4, 32
-    cache = torch.zeros(backend.kv_cache_shape(8, bs, hkv, d))
-    k_all, v_all = torch.randn(50, hkv, d, generator=g), torch.randn(50, hkv, d, generator=g)
-    q = torch.randn(20, hq, d, generator=g)
-    table = [5, 2, 7, 0]
-    slot = torch.tensor([table[p // bs] * bs + p % bs for p in range(50)])
-    cache.view(-1, 2, hkv, d)[slot[:30], 0] = k_all[:30]
-    cache.view(-1, 2, hkv, d)[slot[:30], 1] = v_all[:30]
+    n = ctx + q_len
+    num_blocks = -(-n // bs)
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks + 3, bs, hkv, d))
+    k_all, v_all = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    q = torch.randn(q_len, hq, d, generator=g)
+    table = torch.randperm(num_blocks + 3, generator=g)[:num_blocks].tolist()
+    slot = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+    cache.view(-1, 2, hkv, d)[slot[:ctx], 0] = k_all[:ctx]
+    cache.view(-1, 2, hkv, d)[slot[:ctx], 1] = v_all[:ctx]
     common = CommonAttentionMetadata(
-        query_start_loc=torch.tensor([0, 20]), seq_lens=torch.tensor([50]), block_table=torch.tensor([table]),
-        slot_mapping=slot[30:], num_decodes=0, num_decode_tokens=0, block_size=bs, query_lens_cpu=[20],
-        seq_lens_cpu=[50])
-    out = backend.forward(q, k_all[30:], v_all[30:], cache, backend.build_metadata(common), d ** -0.5)
-    mask = torch.arange(50)[None, :] <= torch.arange(30, 50)[:, None]
+        query_start_loc=torch.tensor([0, q_len]), seq_lens=torch.tensor([n]), block_table=torch.tensor([table]),
+        slot_mapping=slot[ctx:], num_decodes=0, num_decode_tokens=0, block_size=bs, query_lens_cpu=[q_len],
+        seq_lens_cpu=[n])
+    out = backend.forward(q, k_all[ctx:], v_all[ctx:], cache, backend.build_metadata(common), d ** -0.5)
+    mask = torch.arange(n)[None, :] <= torch.arange(ctx, n)[:, None]
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k_all.repeat_interleave(2, 1).transpose(0, 1),
                                          v_all.repeat_interleave(2, 1).transpose(0, 1), attn_mask=mask,
                                          scale=d ** -0.5).transpose(0, 1)
