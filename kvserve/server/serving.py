@@ -209,3 +209,14 @@ async def _wait_for_disconnect(request: Request) -> None:
 def error_event(e: Exception) -> str:
     error = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
     return sse(error.body())
+
+
+async def final_output(stream: RequestStream) -> RequestOutput:
+    """Drain one request's stream and return its last (final) output; a stopped engine is a 503."""
+    final = None
+    try:
+        async for out in stream:
+            final = out
+    except EngineDeadError as e:
+        raise APIError(503, f"the engine is not available: {e}") from None
+    return final

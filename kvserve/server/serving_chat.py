@@ -11,16 +11,15 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvserve.engine.async_engine import EngineDeadError, RequestStream
+from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import APIError
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.prompts import chat_prompt, render_chat
 from kvserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice, Usage)
-from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, close_all, error_event, new_id, read_body,
-                                    sse, unless_disconnected)
+from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, close_all, error_event, final_output, new_id,
+                                    read_body, sse, unless_disconnected)
 
 
 async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
@@ -55,12 +54,7 @@ class _ChatRun:
                                        usage=usage))
 
     async def respond(self, stream: RequestStream) -> Response:
-        final = None
-        try:
-            async for out in stream:
-                final = out
-        except EngineDeadError as e:
-            raise APIError(503, f"the engine is not available: {e}") from None
+        final = await final_output(stream)
         choices = [ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
                               logprobs=self._logprobs(o, o.token_ids), finish_reason=o.finish_reason,
                               stop_reason=o.stop_reason)

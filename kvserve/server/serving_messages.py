@@ -27,7 +27,8 @@ from kvserve.server.anthropic_protocol import (CacheCreation, CountTokensRequest
 from kvserve.server.cache_control import TTL_SECONDS, breakpoint_num_tokens, cache_usage, conversation
 from kvserve.server.errors import APIError
 from kvserve.server.prompts import Prompt, chat_prompt, render_chat
-from kvserve.server.serving import EventStream, ServerState, close_all, read_body, unless_disconnected
+from kvserve.server.serving import (EventStream, ServerState, close_all, final_output, read_body,
+                                    unless_disconnected)
 
 logger = logging.getLogger("kvserve.server")
 
@@ -123,12 +124,7 @@ class _MessageRun:
                                stop_reason=stop_reason, stop_sequence=stop_sequence, usage=self._usage(out))
 
     async def respond(self, stream: RequestStream) -> Response:
-        final = None
-        try:
-            async for out in stream:
-                final = out
-        except EngineDeadError as e:
-            raise APIError(503, f"the engine is not available: {e}") from None
+        final = await final_output(stream)
         body = self._message(final, final.outputs[0].text, finished=True)
         return Response(body.model_dump_json(), media_type="application/json")
 
