@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.bench.roofline import measure_matmul_rate, workload_flops
 from kvserve.bench.workload import WorkloadRequest, load_workload
 from kvserve.config import EngineArgs
 
@@ -138,6 +139,10 @@ def run(args) -> int:
     results = [run_kvserve(llm, requests)]
     print(f"kvserve: {results[0].seconds:.1f} s, {results[0].output_tps:.1f} output tok/s, "
           f"{llm.engine.scheduler.stats.num_preemptions} preemptions", flush=True)
+    machine = measure_matmul_rate(llm.engine.hf_config)
+    achieved = workload_flops(llm.engine.hf_config, requests) / results[0].seconds / 1e9
+    roofline = (f"roofline: machine fp32 matmul {machine:.1f} GFLOP/s at the model's layer shapes (512 rows); "
+                f"kvserve achieved {achieved:.1f} GFLOP/s of model FLOPs on this workload = {achieved / machine:.0%}")
     del llm
     if baselines:
         model = load_hf_model(engine_args.model)
@@ -149,6 +154,7 @@ def run(args) -> int:
             results.append(res)
     print()
     _print_table(results, results[0])
+    print(roofline)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) | {"output_tps": r.output_tps, "total_tps": r.total_tps}
                           for r in results], indent=2))
