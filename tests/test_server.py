@@ -78,13 +78,17 @@ def stop_server(server: Server) -> int:
     return server.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    srv = start_server(tiny_llama[0], tmp_path_factory.mktemp("server") / "server.log",
-                       "--api-key", API_KEY, "--max-num-seqs", str(MAX_NUM_SEQS),
-                       "--max-queue-len", str(MAX_QUEUE_LEN), "--max-body-size", "64KiB", "--stats-interval", "1")
+def served(model: str, tmp_path_factory, *flags: str):
+    """Module-fixture body: a server with API_KEY for the module's tests; it must then exit 0 on SIGTERM."""
+    srv = start_server(model, tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY, *flags)
     yield srv
     assert stop_server(srv) == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    yield from served(tiny_llama[0], tmp_path_factory, "--max-num-seqs", str(MAX_NUM_SEQS),
+                      "--max-queue-len", str(MAX_QUEUE_LEN), "--max-body-size", "64KiB", "--stats-interval", "1")
 
 
 @pytest.fixture(scope="module")

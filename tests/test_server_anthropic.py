@@ -12,7 +12,7 @@ import json
 import anthropic
 import httpx
 import pytest
-from test_server import API_KEY, start_server, stop_server
+from test_server import API_KEY, served
 
 SYSTEM = "You are a terse assistant."
 # NOTE: this client version has no `temperature` argument any more; the API (and this server) still take it.
@@ -22,10 +22,7 @@ USER = [{"role": "user", "content": "Name three prime numbers."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = start_server(tiny_llama[0], tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY,
-                       "--stats-interval", "0")
-    yield srv
-    assert stop_server(srv) == 0, srv.log()
+    yield from served(tiny_llama[0], tmp_path_factory, "--stats-interval", "0")
 
 
 @pytest.fixture(scope="module")

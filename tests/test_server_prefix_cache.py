@@ -13,7 +13,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from test_server import API_KEY, metric, start_server, stop_server
+from test_server import API_KEY, metric, served
 
 BLOCK = 16  # the server's --block-size (the default)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -22,10 +22,7 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = start_server(tiny_llama[0], tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY,
-                       "--stats-interval", "0")
-    yield srv
-    assert stop_server(srv) == 0, srv.log()
+    yield from served(tiny_llama[0], tmp_path_factory, "--stats-interval", "0")
 
 
 @pytest.fixture(scope="module")
