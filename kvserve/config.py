@@ -25,7 +25,8 @@ class EngineArgs:
         "choices": _DTYPES})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda", "choices": ("auto", "cpu", "cuda")})
     attention_backend: str = field(default="auto", metadata={
-        "help": "auto (the C++ paged decode kernel on CPU when it builds), cpu_paged, or torch_sdpa",
+        "help": "auto (on CPU: the C++ paged decode kernel and fused layer ops when they build), cpu_paged, "
+                "or torch_sdpa (PyTorch only)",
         "choices": ("auto", "cpu_paged", "torch_sdpa")})
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: str = field(default="2GiB", metadata={
@@ -39,6 +40,9 @@ class EngineArgs:
     max_num_seqs: int = field(default=256, metadata={"help": "most requests running in one step"})
     max_num_batched_tokens: int = field(default=512, metadata={
         "help": "most tokens (prefill chunks + decodes) in one forward pass"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "while other requests decode, compute at most this many prompt tokens of one request per "
+                "step, to bound their inter-token latency (0: no cap)"})
     enable_chunked_prefill: bool = field(default=True, metadata={
         "help": "split long prompts over several steps so decodes keep flowing"})
     enable_prefix_caching: bool = field(default=True, metadata={
@@ -63,6 +67,8 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:

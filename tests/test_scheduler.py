@@ -13,9 +13,9 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
-def _scheduler(num_blocks=32, block_size=4, max_seqs=8, budget=24, prefix=True, chunked=True):
+def _scheduler(num_blocks=32, block_size=4, max_seqs=8, budget=24, prefix=True, chunked=True, long_prefill=0):
     kv = KVCacheManager(BlockPool(num_blocks), block_size, prefix)
-    return Scheduler(SchedulerConfig(max_seqs, budget, 4096, chunked), kv)
+    return Scheduler(SchedulerConfig(max_seqs, budget, 4096, chunked, long_prefill_token_threshold=long_prefill), kv)
 
 
 def _fake_tokens(out):
@@ -41,7 +41,7 @@ def _step(sched: Scheduler):
 @pytest.mark.parametrize("prefix", [True, False])
 def test_random_arrivals_aborts_and_preemptions(seed, prefix):
     rng = random.Random(seed)
-    sched = _scheduler(num_blocks=24, prefix=prefix)
+    sched = _scheduler(num_blocks=24, prefix=prefix, long_prefill=3 if seed % 2 else 0)
     shared = [rng.randrange(1000) for _ in range(12)]
     expected: dict[str, list[int]] = {}
     done: dict[str, Request] = {}
@@ -116,6 +116,23 @@ def test_chunked_prefill_splits_long_prompt_and_keeps_decodes_flowing():
         assert any(s.request is short for s in out.scheduled), "the decode runs in every step"
         chunks += [s.num_tokens for s in out.scheduled if s.request is long]
     assert chunks == [7, 7, 7, 7, 2]
+
+
+def test_long_prefill_threshold_caps_chunks_only_beside_decodes():
+    sched = _scheduler(num_blocks=64, budget=24, long_prefill=5)
+    first = Request("a", list(range(20)), SamplingParams(max_tokens=10, ignore_eos=True), max_tokens=10)
+    sched.add_request(first)
+    out, _ = _step(sched)
+    assert [s.num_tokens for s in out.scheduled] == [20], "nobody decodes: the whole prompt in one step"
+    for rid in "bc":
+        sched.add_request(Request(rid, list(range(100, 117)), SamplingParams(max_tokens=1), max_tokens=1))
+    chunks: dict[str, list[int]] = {"b": [], "c": []}
+    while any(sched.requests[r].num_computed_tokens < 17 for r in "bc" if r in sched.requests):
+        out, _ = _step(sched)
+        assert out.scheduled[0].request is first, "the decode runs in every step"
+        for s in out.scheduled[1:]:
+            chunks[s.request.request_id].append(s.num_tokens)
+    assert chunks == {"b": [5, 5, 5, 2], "c": [5, 5, 5, 2]}, "two prefills share each step, 5 tokens each"
 
 
 def test_no_chunking_waits_for_whole_prompt_budget():

@@ -29,16 +29,22 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
-@functools.lru_cache(maxsize=1)
-def load_paged_decode():
-    """The compiled module, or None (logged) when it cannot be built here."""
+def build_extension(name: str, source: str, what: str):
+    """Compile `source` (one C++ file with its own PYBIND11_MODULE) for this CPU, or return None (logged)
+    when it cannot be built here, so the caller falls back to PyTorch."""
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"kvserve_paged_decode_{_cpu_tag()}", sources=[_SOURCE],
+        return load(name=f"{name}_{_cpu_tag()}", sources=[source],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler / ninja, unsupported platform: fall back to the PyTorch path
-        logger.warning("C++ paged decode attention unavailable (%s); using the PyTorch gather path",
+        logger.warning("C++ %s unavailable (%s); using the PyTorch path", what,
                        str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def load_paged_decode():
+    """The compiled paged decode-attention module, or None (logged) when it cannot be built here."""
+    return build_extension("kvserve_paged_decode", _SOURCE, "paged decode attention")

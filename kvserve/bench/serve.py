@@ -35,6 +35,7 @@ class RequestResult:
     latency_s: float = 0.0
     itls_s: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +85,17 @@ def arrival_times(requests: list[WorkloadRequest], request_rate: float | None, s
 async def benchmark(base_url: str, requests: list[WorkloadRequest], arrivals: list[float], *,
                     model: str | None = None, api_key: str | None = None, concurrency: int | None = None,
                     timeout: float = 600.0) -> dict:
+    start = time.perf_counter()
+    results, model = await collect(base_url, requests, arrivals, model=model, api_key=api_key,
+                                   concurrency=concurrency, timeout=timeout)
+    return summarize(results, time.perf_counter() - start, model)
+
+
+async def collect(base_url: str, requests: list[WorkloadRequest], arrivals: list[float], *,
+                  model: str | None = None, api_key: str | None = None, concurrency: int | None = None,
+                  timeout: float = 600.0) -> tuple[list[RequestResult], str]:
+    """Send every request at its arrival time: one RequestResult per request, in workload order, and the
+    model name sent."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency or len(requests), max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, limits=limits,
@@ -102,9 +114,8 @@ async def benchmark(base_url: str, requests: list[WorkloadRequest], arrivals: li
             async with gate:
                 return await send_request(client, model, req)
 
-        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, arrivals)))
-        duration = time.perf_counter() - start
-    return summarize(results, duration, model)
+        results = list(await asyncio.gather(*(one(r, t) for r, t in zip(requests, arrivals))))
+    return results, model
 
 
 async def send_request(client: httpx.AsyncClient, model: str, req: WorkloadRequest) -> RequestResult:
@@ -131,6 +142,7 @@ async def send_request(client: httpx.AsyncClient, model: str, req: WorkloadReque
                     result.error = str(chunk["error"].get("message", chunk["error"]))
                     return result
                 if chunk.get("choices"):
+                    result.text += chunk["choices"][0].get("text") or ""
                     now = time.perf_counter()
                     if num_chunks == 0:
                         result.ttft_s = now - start

@@ -204,10 +204,13 @@ class EngineLoop:
             num_steps_total=self._num_steps, busy_s=self._busy_s)
 
 
-def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None]) -> None:
+def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None],
+                  own_process: bool = False) -> None:
     """Body of the engine thread or process: build the Engine, report ready, loop until shutdown."""
     try:
         engine = Engine(args)
+        if own_process:  # this process holds this one engine until it exits
+            Engine.freeze_gc()
     except Exception as e:  # a bad --model or flag: the server reports it and exits
         logger.debug("engine start-up failed", exc_info=True)
         emit(_Ready(None, f"{type(e).__name__}: {e}"))
@@ -277,7 +280,7 @@ def _process_main(args: EngineArgs, conn) -> None:
             commands.append(_SHUTDOWN)
         return commands
 
-    _serve_engine(args, recv, conn.send)
+    _serve_engine(args, recv, conn.send, own_process=True)
 
 
 class _ProcessTransport:

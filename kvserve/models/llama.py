@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
+from kvserve.models.layer_ops import LayerOps
 
 
 @dataclass(frozen=True)
@@ -49,19 +50,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the step's positions, each [T, 1, D]; looked up once per step, not per layer."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
-        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        """cos, sin for the step's positions, each [T, D]; looked up once per step, not per layer."""
+        cos = self.cos.index_select(0, positions).to(dtype)
+        sin = self.sin.index_select(0, positions).to(dtype)
         return cos, sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -79,16 +71,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if feats.qk_norm else None
         self.backend = backend
 
-    def forward(self, x, rope_cos_sin, kv_cache, attn_meta) -> torch.Tensor:
+    def forward(self, x, rope_cos_sin, kv_cache, attn_meta, ops: LayerOps) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)                                                # [T, q + 2 kv]
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm on q and k before RoPE
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+            qkv = torch.cat((q, k, v), dim=-1)
+        # RoPE on the q and k heads together, in one call (they are adjacent in the fused projection)
+        qkv = ops.rope_qk(qkv, *rope_cos_sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)                          # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)                       # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache, attn_meta, self.scale)    # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -100,9 +96,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -113,9 +108,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope_cos_sin, kv_cache, attn_meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope_cos_sin, kv_cache, attn_meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope_cos_sin, kv_cache, attn_meta, ops: LayerOps):
+        """x: the previous sublayer's output (or the embeddings), residual: the stream before it (None in
+        the first layer). Returns the same pair for the next layer: the residual add is fused into each
+        RMSNorm (vLLM's layout), so the stream is only summed where it is normalised."""
+        norm = self.input_layernorm
+        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, rope_cos_sin, kv_cache, attn_meta, ops)
+        norm = self.post_attention_layernorm
+        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -131,14 +133,16 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.ops: LayerOps = LayerOps()  # the engine swaps in FusedLayerOps where they build
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                      # [T, hidden]
         rope_cos_sin = self.rope(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope_cos_sin, kv_cache, attn_meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope_cos_sin, kv_cache, attn_meta, self.ops)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

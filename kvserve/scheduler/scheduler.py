@@ -47,6 +47,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     """fcfs, or lpm: longest cached prefix first (bounded: see WaitingOrder)."""
+    long_prefill_token_threshold: int = 0
+    """In a step that also decodes, no request computes more than this many prompt tokens (0: no cap)."""
 
 
 class Scheduler:
@@ -97,11 +99,12 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self.kv.pins.expire()
+        chunk_cap = self._prefill_chunk_cap()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
             if not cfg.enable_chunked_prefill and req.num_tokens - req.num_computed_tokens > budget:
                 i += 1
                 continue
@@ -134,7 +137,7 @@ class Scheduler:
             num_hit = len(computed) * self.kv.block_size
             num_new = req.num_tokens - num_hit
             if cfg.enable_chunked_prefill:
-                num_new = min(num_new, budget)
+                num_new = min(num_new, budget, chunk_cap)
             elif num_new > budget:
                 break
             req.num_computed_tokens = num_hit
@@ -158,6 +161,19 @@ class Scheduler:
         total = sum(s.num_tokens for s in scheduled)
         assert total <= cfg.max_num_batched_tokens and len(self.running) <= cfg.max_num_seqs
         return SchedulerOutput(scheduled, total, preempted)
+
+    def _prefill_chunk_cap(self) -> int:
+        """Most prompt tokens one request may compute this step.
+
+        NOTE: a step takes as long as all of its tokens, so a 512-token chunk beside 16 decodes makes each of
+        those 16 wait ~8 decode steps for its next token. Capping each prefill's chunk while anyone decodes
+        bounds that stall (the `interference` workload); with nobody decoding the cap would only slow the
+        prompt down, so it does not apply. Several prefills may still share one step's budget."""
+        cap = self.config.long_prefill_token_threshold
+        if cap <= 0 or not self.config.enable_chunked_prefill:
+            return self.config.max_num_batched_tokens
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        return cap if decoding else self.config.max_num_batched_tokens
 
     def _allocate_for_admission(self, req: Request, num_new: int, computed) -> bool:
         if self.kv.allocate_slots(req, num_new, computed):

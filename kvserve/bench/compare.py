@@ -1,0 +1,399 @@
+"""`kvserve bench compare`: kvserve and its CPU peers on the same machine, the same weights, one at a time.
+
+For each workload (../shared/workloads/{mixed,prefix,interference}.jsonl by default) each engine is started
+fresh (a cold prefix cache for every workload), warmed up with one short request, sent the workload's token
+ids with its arrival times (greedy, ignore_eos as the workload says), and stopped. One table per workload:
+output and total tok/s, TTFT and inter-token latency p50/p99, kvserve's throughput ratio to each peer, and how
+many outputs are the same text as kvserve's (greedy fp32 on the same weights should agree except at
+near-ties). Then a roofline line and the issue's targets, each marked met or missed. Never asserts; a peer
+that fails to install or run is reported with its error and the rest still run.
+
+Set-up (once, reused): each peer's venv under --peers-dir (git-ignored) and its weights under
+--peers-dir/weights, all from the built-in GGUF: see peers.py and peer_weights.py.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+import httpx
+
+from kvserve.bench import peer_weights, serve
+from kvserve.bench.peers import PEERS, Peer, PeerEnv, PeerError, RunSettings, driver_command, ensure_venv, \
+    log_tail, run_logged, server_command, thread_env
+from kvserve.bench.workload import WorkloadRequest, load_workload
+
+_WORKLOADS = ("mixed", "prefix", "interference")
+_TARGETS_MIXED = {"vllm": 1.2, "openvino": 1.0, "llamacpp": 1.0}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"comma-separated engines to run (kvserve always runs first); default: all of "
+                             f"{', '.join(PEERS)}")
+    parser.add_argument("--workloads", default=",".join(_WORKLOADS),
+                        help="comma-separated workload names (files NAME.jsonl in --workload-dir) or .jsonl paths")
+    parser.add_argument("--workload-dir", default=os.path.join("..", "shared", "workloads"))
+    parser.add_argument("--peers-dir", default=".peers", help="venvs, weights, logs and results (git-ignored)")
+    parser.add_argument("--threads", type=int, default=2, help="compute threads of every engine")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="tokens per step for every engine that has the setting")
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV-cache size of every engine")
+    parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags, e.g. "
+                                                           "'--long-prefill-token-threshold 64'")
+    parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    parser.add_argument("--setup-only", action="store_true", help="install peers and prepare weights, then stop")
+    parser.add_argument("--json", dest="json_path", default=None,
+                        help="also write every result here (default: PEERS_DIR/results/compare-TIME.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the report
+    names = [n.strip() for n in args.peers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    names = ["kvserve"] + [n for n in names if n != "kvserve"]
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    workloads = {name: _workload_path(name, args.workload_dir) for name in
+                 (w.strip() for w in args.workloads.split(",") if w.strip())}
+    requests = {name: load_workload(path) for name, path in workloads.items()}
+    settings = RunSettings(threads=args.threads, max_num_batched_tokens=args.max_num_batched_tokens,
+                           kv_cache_gib=args.kv_cache_gib, kvserve_args=tuple(shlex.split(args.kvserve_args)))
+    peers_dir = os.path.abspath(args.peers_dir)
+    log_dir = os.path.join(peers_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+
+    ready: dict[str, tuple[PeerEnv, str]] = {}
+    failed: dict[str, str] = {}
+    for name in names:
+        try:
+            ready[name] = _set_up(PEERS[name], peers_dir, log_dir)
+        except (PeerError, OSError, ValueError) as e:
+            failed[name] = f"set-up: {e}"
+        print(f"[compare] {name}: {'ready' if name in ready else failed[name]}", file=sys.stderr, flush=True)
+    if args.setup_only:
+        return 0 if not failed else 1
+
+    report = {"machine": _machine(), "settings": asdict(settings), "engines": {}, "workloads": {}}
+    for name in names:
+        report["engines"][name] = {"notes": PEERS[name].notes, "version": _version(PEERS[name], ready.get(name))}
+    for wname, reqs in requests.items():
+        rows = report["workloads"][wname] = {}
+        for name in names:
+            if name in failed:
+                rows[name] = {"error": failed[name]}
+                continue
+            print(f"[compare] {wname}: {name} ...", file=sys.stderr, flush=True)
+            env, weights = ready[name]
+            try:
+                rows[name] = _run_one(PEERS[name], env, weights, workloads[wname], reqs, settings, log_dir,
+                                      args.startup_timeout)
+            except (PeerError, OSError, httpx.HTTPError) as e:
+                rows[name] = {"error": f"run: {e}"}
+            print(f"[compare] {wname}: {name}: {_brief(rows[name])}", file=sys.stderr, flush=True)
+        _mark_agreement(rows)
+    report["roofline"] = _roofline(report, requests)
+    report["targets"] = _targets(report)
+    path = args.json_path or os.path.join(peers_dir, "results", time.strftime("compare-%Y%m%d-%H%M%S.json"))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    print(format_report(report, requests))
+    print(f"\n(all results: {path})")
+    return 0
+
+
+def _workload_path(name: str, directory: str) -> str:
+    path = name if name.endswith(".jsonl") else os.path.join(directory, f"{name}.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"workload {name!r}: no file {path}")
+    return path
+
+
+# ---- set-up ------------------------------------------------------------------------------------------
+def _set_up(peer: Peer, peers_dir: str, log_dir: str) -> tuple[PeerEnv, str]:
+    env = ensure_venv(peer, peers_dir, log_dir)
+    from kvserve.models.gguf_loader import builtin_model_path
+
+    gguf = builtin_model_path()
+    wdir = os.path.join(peers_dir, "weights")
+    os.makedirs(wdir, exist_ok=True)
+    if peer.weights == "gguf":
+        return env, gguf
+    if peer.weights == "f32_gguf":
+        return env, peer_weights.f32_gguf(gguf, os.path.join(wdir, "smollm2-135m-f32.gguf"))
+    hf = peer_weights.hf_folder(gguf, os.path.join(wdir, "smollm2-135m-hf"))
+    if peer.weights == "hf":
+        return env, hf
+    ir = os.path.join(wdir, "smollm2-135m-ov")
+    if not os.path.isfile(os.path.join(ir, "openvino_model.xml")):
+        run_logged([os.path.join(env.bin_dir, "optimum-cli"), "export", "openvino", "--model", hf,
+                    "--task", "text-generation-with-past", "--weight-format", "fp32", ir],
+                   os.path.join(log_dir, "export-openvino.log"), "exporting the OpenVINO IR",
+                   env=thread_env(2))
+    return env, ir
+
+
+def _version(peer: Peer, ready: tuple[PeerEnv, str] | None) -> str:
+    if not peer.packages:
+        dist = "kvserve" if peer.name.startswith("kvserve") else peer.name
+        from importlib.metadata import PackageNotFoundError, version
+        with contextlib.suppress(PackageNotFoundError):
+            return f"{dist} {version(dist)}"
+        return dist
+    if ready is None:
+        return "not installed"
+    dist = peer.packages[0].split("==")[0].split("[")[0]
+    try:
+        out = subprocess.run([ready[0].python, "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+                             capture_output=True, text=True, timeout=60)
+        return f"{dist} {out.stdout.strip() or '?'}"
+    except (OSError, subprocess.TimeoutExpired):
+        return dist
+
+
+def _machine() -> dict:
+    model = "?"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    return {"cpu": model, "cores": os.cpu_count()}
+
+
+# ---- running -----------------------------------------------------------------------------------------
+def _run_one(peer: Peer, env: PeerEnv, weights: str, workload: str, reqs: list[WorkloadRequest],
+             s: RunSettings, log_dir: str, startup_timeout: float) -> dict:
+    if peer.kind == "driver":
+        results, duration = _run_driver(peer, env, weights, workload, s, log_dir, prefix_caching=True)
+    else:
+        results, duration = _run_server(peer, env, weights, reqs, s, log_dir, startup_timeout)
+    summary = serve.summarize(results, duration, peer.name)
+    summary["texts"] = [r.text for r in results]
+    short = [r for r, q in zip(results, reqs) if q.arrival_s == 0.0 and r.ok]
+    if len(short) < len(results):  # the workload has late arrivals: latency of those that were there first
+        summary["itl_first_arrivals"] = serve._stats([x for r in short for x in r.itls_s])
+    return summary
+
+
+def _run_server(peer: Peer, env: PeerEnv, weights: str, reqs: list[WorkloadRequest], s: RunSettings,
+                log_dir: str, startup_timeout: float) -> tuple[list[serve.RequestResult], float]:
+    port = _free_port()
+    cmd, proc_env = server_command(peer, env, weights, port, s)
+    log = os.path.join(log_dir, f"server-{peer.name}.log")
+    with open(log, "w", encoding="utf-8") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, base, startup_timeout, log)
+        _warm_up(base)
+        start = time.perf_counter()
+        arrivals = [r.arrival_s for r in reqs]
+        results, _ = asyncio.run(serve.collect(base, reqs, arrivals))
+        return results, time.perf_counter() - start
+    finally:
+        _stop(proc)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_ready(proc: subprocess.Popen, base: str, timeout: float, log: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise PeerError(f"server exited with code {proc.returncode}: {log_tail(log)} (log: {log})")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+                return
+        time.sleep(1.0)
+    raise PeerError(f"server not ready after {timeout:.0f} s (log: {log})")
+
+
+def _warm_up(base: str) -> None:
+    """One short request, so that one-time costs (compilation, first allocations) are not the workload's."""
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    r = httpx.post(f"{base}/v1/completions", timeout=600, json={
+        "model": model, "prompt": list(range(100, 164)), "max_tokens": 8, "temperature": 0.0})
+    if r.status_code != 200:
+        raise PeerError(f"warm-up request failed: HTTP {r.status_code}: {r.text[:200]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _run_driver(peer: Peer, env: PeerEnv, weights: str, workload: str, s: RunSettings, log_dir: str,
+                prefix_caching: bool) -> tuple[list[serve.RequestResult], float]:
+    log = os.path.join(log_dir, f"driver-{peer.name}.log")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model": weights, "workload": os.path.abspath(workload), "threads": s.threads,
+                   "max_num_batched_tokens": s.max_num_batched_tokens, "kv_cache_gb": s.kv_cache_gib,
+                   "prefix_caching": prefix_caching}, f)
+    try:
+        with open(log, "w", encoding="utf-8") as err:
+            proc = subprocess.run([*driver_command(peer, env), f.name], stdout=subprocess.PIPE, stderr=err,
+                                  text=True, env=thread_env(s.threads), timeout=7200)
+    except subprocess.TimeoutExpired:
+        raise PeerError(f"driver ran past 2 h (log: {log})") from None
+    finally:
+        os.unlink(f.name)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise PeerError(f"driver exited with code {proc.returncode}: {log_tail(log)} (log: {log})")
+    data = json.loads(lines[-1])
+    tokenizer = _tokenizer()
+    results = []
+    for d in data["results"]:
+        text = tokenizer.decode(d["token_ids"], skip_special_tokens=True) if d["ok"] else ""
+        results.append(serve.RequestResult(ok=d["ok"], prompt_tokens=d["prompt_tokens"],
+                                           output_tokens=d["output_tokens"], ttft_s=d["ttft_s"],
+                                           latency_s=d["latency_s"], itls_s=d["itls_s"], error=d["error"],
+                                           text=text))
+    return results, float(data["duration_s"])
+
+
+_TOKENIZER = []
+
+
+def _tokenizer():
+    if not _TOKENIZER:
+        from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
+        _TOKENIZER.append(load_gguf_tokenizer(builtin_model_path()))
+    return _TOKENIZER[0]
+
+
+def _mark_agreement(rows: dict) -> None:
+    base = rows.get("kvserve", {}).get("texts")
+    for row in rows.values():
+        texts = row.pop("texts", None) if row is not rows.get("kvserve") else row.get("texts")
+        if base and texts and len(texts) == len(base):
+            row["same_text"] = sum(a == b and a != "" for a, b in zip(texts, base))
+    rows.get("kvserve", {}).pop("texts", None)
+
+
+def _brief(row: dict) -> str:
+    if "error" in row:
+        return row["error"]
+    return (f"{row['completed']} ok, {row['failed']} failed, {row['duration_s']:.1f} s, "
+            f"{row['total_token_throughput']:.1f} total tok/s")
+
+
+# ---- report ------------------------------------------------------------------------------------------
+def _roofline(report: dict, requests: dict[str, list[WorkloadRequest]]) -> dict | None:
+    row = report["workloads"].get("mixed", {}).get("kvserve")
+    if not row or "error" in row:
+        return None
+    from kvserve.bench.roofline import measure_matmul_rate, workload_flops
+    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_config
+
+    import torch
+    torch.set_num_threads(report["settings"]["threads"])
+    cfg = load_gguf_config(builtin_model_path())
+    machine = measure_matmul_rate(cfg)
+    achieved = workload_flops(cfg, requests["mixed"]) / row["duration_s"] / 1e9
+    return {"machine_gflops": machine, "kvserve_gflops": achieved, "fraction": achieved / machine}
+
+
+def _tps(report: dict, workload: str, name: str) -> float | None:
+    row = report["workloads"].get(workload, {}).get(name)
+    return None if not row or "error" in row or not row.get("completed") else row["total_token_throughput"]
+
+
+def _targets(report: dict) -> list[dict]:
+    out = []
+    kv_mixed = _tps(report, "mixed", "kvserve")
+    for peer, want in _TARGETS_MIXED.items():
+        theirs = _tps(report, "mixed", peer)
+        if kv_mixed and theirs:
+            out.append({"target": f"mixed: kvserve total tok/s >= {want}x {peer}", "value": kv_mixed / theirs,
+                        "met": kv_mixed / theirs >= want})
+    for name, row in report["workloads"].get("interference", {}).items():
+        itl = row.get("itl_first_arrivals", {})
+        if name.startswith("kvserve") and itl.get("median_ms"):
+            ratio = itl["p99_ms"] / itl["median_ms"]
+            out.append({"target": f"interference ({name}): short requests' ITL p99 <= 3x p50", "value": ratio,
+                        "met": ratio <= 3})
+    kv_prefix = _tps(report, "prefix", "kvserve")
+    others = [t for n in report["workloads"].get("prefix", {}) if not n.startswith("kvserve")
+              for t in [_tps(report, "prefix", n)] if t]
+    if kv_prefix and others:
+        ratio = kv_prefix / max(others)
+        out.append({"target": "prefix: kvserve total tok/s >= 1.5x the best peer", "value": ratio,
+                    "met": ratio >= 1.5})
+    if report.get("roofline"):
+        frac = report["roofline"]["fraction"]
+        out.append({"target": "mixed: achieved >= 50% of the machine's matmul rate", "value": frac,
+                    "met": frac >= 0.5})
+    return out
+
+
+def format_report(report: dict, requests: dict[str, list[WorkloadRequest]]) -> str:
+    s = report["settings"]
+    lines = [f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; every engine: "
+             f"{s['threads']} threads, fp32, greedy, {s['max_num_batched_tokens']} tokens/step, "
+             f"{s['kv_cache_gib']} GiB KV cache"]
+    for name, e in report["engines"].items():
+        lines.append(f"  {name:<13}{e['version']}: {e['notes']}")
+    header = (f"{'engine':<13}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>10}{'TTFT p99':>10}"
+              f"{'ITL p50':>9}{'ITL p99':>9}{'kvserve x':>10}{'same text':>10}")
+    for wname, rows in report["workloads"].items():
+        reqs = requests[wname]
+        n_in = sum(len(r.prompt_token_ids) for r in reqs)
+        n_out = sum(r.max_tokens for r in reqs)
+        lines += ["", f"== {wname}: {len(reqs)} requests, {n_in} prompt + {n_out} output tokens "
+                      f"(latencies in ms)", header]
+        kv = _tps(report, wname, "kvserve")
+        for name, row in rows.items():
+            if "error" in row:
+                lines.append(f"{name:<13}FAILED: {row['error'][:300]}")
+                continue
+            mine = row["total_token_throughput"] if row.get("completed") else None
+            ratio = f"{kv / mine:.2f}" if kv and mine and name != "kvserve" else "-"
+            same = f"{row['same_text']}/{row['completed']}" if "same_text" in row and name != "kvserve" else "-"
+            lines.append(f"{name:<13}{row['output_throughput']:>10.1f}{row['total_token_throughput']:>12.1f}"
+                         f"{row['ttft']['median_ms']:>10.0f}{row['ttft']['p99_ms']:>10.0f}"
+                         f"{row['itl']['median_ms']:>9.0f}{row['itl']['p99_ms']:>9.0f}{ratio:>10}{same:>10}")
+            if row["failed"]:
+                lines.append(f"{'':<13}{row['failed']} requests failed: {row['errors'][:1]}")
+        firsts = [(n, r["itl_first_arrivals"]) for n, r in rows.items() if "itl_first_arrivals" in r]
+        if firsts:
+            lines.append("requests there from t=0 (while the late prompts prefill): ITL p50 / p99 (p99/p50)")
+            lines += [f"  {n:<11}{x['median_ms']:>8.0f}{x['p99_ms']:>8.0f}  ({x['p99_ms'] / x['median_ms']:.1f}x)"
+                      for n, x in firsts if x["median_ms"]]
+    if report.get("roofline"):
+        r = report["roofline"]
+        lines += ["", f"roofline: machine fp32 matmul {r['machine_gflops']:.1f} GFLOP/s at the model's layer "
+                      f"shapes; kvserve on mixed achieved {r['kvserve_gflops']:.1f} GFLOP/s of model FLOPs "
+                      f"= {100 * r['fraction']:.0f}%"]
+    if report.get("targets"):
+        lines += ["", "targets:"]
+        lines += [f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']:.2f}" for t in report["targets"]]
+    return "\n".join(lines)

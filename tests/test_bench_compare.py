@@ -1,0 +1,158 @@
+"""`kvserve bench compare`: weights conversion, the driver protocol, the report, and one real end-to-end run of
+kvserve's server against the transformers peer on the built-in model (greedy outputs must agree).
+
+The vLLM / OpenVINO / llama.cpp peers need their own venvs (GBs of downloads) and are not run here; their
+command lines are checked instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvserve.bench import compare, peer_weights
+from kvserve.bench.peers import PEERS, PeerEnv, RunSettings, driver_command, server_command
+from kvserve.bench.workload import WorkloadRequest
+
+
+def _write_quantized_gguf(path: str) -> dict[str, np.ndarray]:
+    """A small llama GGUF with one Q8_0 tensor, one F32 tensor and metadata of several types."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0))
+    writer.add_token_list(["<a>", "<b>", "c"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_string("tokenizer.chat_template", "{{ messages }}")
+    tensors = {"blk.0.ffn_up.weight": rng.standard_normal((8, 64), dtype=np.float32),
+               "output_norm.weight": rng.standard_normal((64,), dtype=np.float32)}
+    writer.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(tensors["blk.0.ffn_up.weight"],
+                                                                  gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", tensors["output_norm.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+def test_f32_gguf_keeps_metadata_and_dequantizes_every_tensor(tmp_path):
+    src, dst = str(tmp_path / "q.gguf"), str(tmp_path / "f32.gguf")
+    original = _write_quantized_gguf(src)
+    peer_weights.f32_gguf(src, dst)
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    fields_a = {k: f.contents() for k, f in a.fields.items() if not k.startswith("GGUF.")}
+    fields_b = {k: f.contents() for k, f in b.fields.items() if not k.startswith("GGUF.")}
+    assert fields_b.pop("general.file_type") == int(gguf.LlamaFileType.ALL_F32)
+    fields_a.pop("general.file_type")
+    assert fields_a == fields_b
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert tb.tensor_type == gguf.GGMLQuantizationType.F32 and list(ta.shape) == list(tb.shape)
+        expected = gguf.quants.dequantize(ta.data, ta.tensor_type).reshape(np.asarray(tb.data).shape)
+        np.testing.assert_array_equal(np.asarray(tb.data), expected)
+    # Q8_0 loses a little against the float original; the F32 copy carries exactly what the file held
+    assert not np.array_equal(np.asarray(b.tensors[0].data), original["blk.0.ffn_up.weight"])
+    np.testing.assert_allclose(np.asarray(b.tensors[0].data), original["blk.0.ffn_up.weight"], atol=0.05)
+    assert os.path.getmtime(dst) == os.path.getmtime(peer_weights.f32_gguf(src, dst)), "made once, then reused"
+
+
+def test_hf_serial_driver_reports_greedy_tokens_and_timings(tiny_llama, tmp_path):
+    path, hf_model = tiny_llama
+    workload = tmp_path / "w.jsonl"
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
+    workload.write_text("\n".join(json.dumps({"id": f"r{i}", "prompt_token_ids": p, "max_tokens": 6,
+                                              "ignore_eos": True, "arrival_s": 0.1 * i})
+                                  for i, p in enumerate(prompts)))
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"model": path, "workload": str(workload), "threads": 1}))
+    env = PeerEnv(sys.executable, os.path.dirname(sys.executable), str(tmp_path))
+    out = subprocess.run([*driver_command(PEERS["transformers"], env), str(args)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    for prompt, r in zip(prompts, data["results"]):
+        with torch.no_grad():
+            want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert r["ok"] and r["token_ids"] == want[0, len(prompt):].tolist()
+        assert r["output_tokens"] == 6 and len(r["itls_s"]) == 5 and all(x >= 0 for x in r["itls_s"])
+        assert 0 < r["ttft_s"] <= r["latency_s"] <= data["duration_s"]
+
+
+def test_peer_command_lines_pin_threads_precision_and_budget(tmp_path):
+    s = RunSettings(threads=2, max_num_batched_tokens=256, kv_cache_gib=2)
+    env = PeerEnv("/venv/bin/python", "/venv/bin", str(tmp_path))
+    cmd, proc_env = server_command(PEERS["vllm"], env, "/w/hf", 8000, s)
+    assert cmd[cmd.index("--dtype") + 1] == "float32" and cmd[cmd.index("--max-num-batched-tokens") + 1] == "256"
+    assert proc_env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and proc_env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    cmd, proc_env = server_command(PEERS["kvserve"], env, "", 8000, s)
+    assert cmd[cmd.index("--num-threads") + 1] == "2" and "--model" not in cmd and proc_env["OMP_NUM_THREADS"] == "2"
+
+
+def _row(tps: float, **extra) -> dict:
+    stats = {"mean_ms": 10.0, "median_ms": 10.0, "p99_ms": 20.0}
+    return {"completed": 4, "failed": 0, "duration_s": 1.0, "output_throughput": tps / 2,
+            "total_token_throughput": tps, "ttft": stats, "itl": stats, "tpot": stats, "e2el": stats,
+            "errors": [], **extra}
+
+
+def test_report_ratios_targets_and_failed_peers():
+    report = {"machine": {"cpu": "x", "cores": 2}, "settings": {"threads": 2, "max_num_batched_tokens": 512,
+                                                                  "kv_cache_gib": 2},
+              "engines": {n: {"version": "v", "notes": ""} for n in ("kvserve", "vllm", "llamacpp")},
+              "workloads": {
+                  "mixed": {"kvserve": _row(300.0), "vllm": _row(200.0), "llamacpp": {"error": "run: boom"}},
+                  "prefix": {"kvserve": _row(900.0), "vllm": _row(700.0), "llamacpp": _row(100.0)},
+                  "interference": {"kvserve": _row(50.0, itl_first_arrivals={"median_ms": 10.0, "p99_ms": 25.0})}},
+              "roofline": {"machine_gflops": 200.0, "kvserve_gflops": 90.0, "fraction": 0.45}}
+    targets = {t["target"]: (round(t["value"], 3), t["met"]) for t in compare._targets(report)}
+    assert targets == {"mixed: kvserve total tok/s >= 1.2x vllm": (1.5, True),
+                       "interference (kvserve): short requests' ITL p99 <= 3x p50": (2.5, True),
+                       "prefix: kvserve total tok/s >= 1.5x the best peer": (1.286, False),
+                       "mixed: achieved >= 50% of the machine's matmul rate": (0.45, False)}
+    report["targets"] = compare._targets(report)
+    one = [WorkloadRequest("a", [1, 2], 3)]
+    text = compare.format_report(report, {"mixed": one, "prefix": one, "interference": one})
+    assert "llamacpp     FAILED: run: boom" in text
+    assert "[MISSED] prefix: kvserve total tok/s >= 1.5x the best peer: 1.29" in text
+    vllm_mixed = next(line for line in text.splitlines() if line.startswith("vllm") and "200.0" in line)
+    assert vllm_mixed.split()[-2] == "1.50"
+
+
+def test_unknown_peer_and_missing_workload_are_errors(tmp_path):
+    from kvserve.cli.main import main
+
+    assert main(["bench", "compare", "--peers", "kvserve,sglang", "--peers-dir", str(tmp_path)]) == 2
+    assert main(["bench", "compare", "--workloads", "nope", "--workload-dir", str(tmp_path),
+                 "--peers-dir", str(tmp_path)]) == 2
+
+
+@pytest.mark.slow
+def test_compare_kvserve_server_against_transformers_end_to_end(tmp_path, capsys):
+    """The real thing, small: the built-in model served by `kvserve serve` and run by transformers agree."""
+    from kvserve.cli.main import main
+    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(builtin_model_path())
+    texts = ["def add(a, b):\n    return", "The capital of France is", "import os\nimport sys\n"]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("\n".join(json.dumps({"id": i, "prompt_token_ids": tok.encode(t), "max_tokens": 12,
+                                              "ignore_eos": True, "arrival_s": 0.2 * i})
+                                  for i, t in enumerate(texts)))
+    out_json = tmp_path / "report.json"
+    rc = main(["bench", "compare", "--peers", "kvserve,transformers", "--workloads", str(workload),
+               "--peers-dir", str(tmp_path / "peers"), "--json", str(out_json), "--threads", "2"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    report = json.loads(out_json.read_text())
+    rows = report["workloads"][str(workload)]
+    assert rows["kvserve"]["completed"] == 3 and rows["transformers"]["completed"] == 3, rows
+    assert rows["transformers"]["same_text"] == 3, "greedy fp32 on the same weights must agree"
+    assert rows["kvserve"]["total_output_tokens"] == 36
+    assert "transformers" in printed and "3/3" in printed

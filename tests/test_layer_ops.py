@@ -1,0 +1,50 @@
+"""The fused C++ layer ops equal the PyTorch reference (which the model-equivalence tests check against
+transformers), on shapes of decode and prefill steps and on row-strided inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.models.layer_ops import LayerOps, load_fused_layer_ops
+
+fused = load_fused_layer_ops()
+pytestmark = pytest.mark.skipif(fused is None, reason="the C++ extension does not build here")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm(rows):
+    torch.manual_seed(rows)
+    x, res, w = torch.randn(rows, 96), torch.randn(rows, 96), torch.randn(96)
+    want_x, want_res = LayerOps.add_rms_norm(x, res, w, 1e-5)
+    got_x, got_res = fused.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-6, atol=1e-6)
+    first_x, first_res = fused.add_rms_norm(x, None, w, 1e-5)  # first layer: no residual yet
+    torch.testing.assert_close(first_x, LayerOps.add_rms_norm(x, None, w, 1e-5)[0])
+    assert first_res is x
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_rope_on_leading_heads_of_fused_projection(rows):
+    torch.manual_seed(rows)
+    heads, kv_heads, d = 4, 2, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d)
+    angles = torch.randn(rows, d // 2).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    want = LayerOps.rope_qk(qkv, cos, sin, heads + kv_heads, d)
+    got = fused.rope_qk(qkv.clone(), cos, sin, heads + kv_heads, d)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    v = (heads + kv_heads) * d
+    assert torch.equal(got[:, v:], qkv[:, v:]), "v is not rotated"
+
+
+def test_silu_and_mul_on_a_row_strided_view():
+    torch.manual_seed(0)
+    wide = torch.randn(5, 2 * 40 + 8)
+    gate_up = wide[:, :80]  # rows 88 apart: a view, as a split of a wider projection would be
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), LayerOps.silu_and_mul(gate_up), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(RuntimeError, match="float32"):
+        fused.silu_and_mul(torch.randn(3, 8, dtype=torch.float64))
