@@ -4,9 +4,12 @@
 // One task per sequence. A physical block is the unit of work: for each KV head, the G query heads that
 // share it are scored together (GQA: each K/V row is read once for the group), the running max/sum are
 // corrected once per block (not once per token), and the block's V rows are accumulated while the block
-// is still in L1; the next block is prefetched meanwhile. So every byte of K/V comes from DRAM once. Head sizes 64 and 128 are compile-time constants, so the
-// compiler unrolls and vectorises the dot products and the V accumulation (-O3 -march=native -ffast-math);
-// other head sizes take the same code with a run-time size.
+// is still in L1; the next block is prefetched meanwhile. So every byte of K/V comes from DRAM once.
+// Head sizes 64 and 128 are compile-time constants, so the compiler unrolls and vectorises the dot
+// products and the V accumulation (-O3 -march=native -ffast-math); other head sizes take the same code
+// with a run-time size. Measured (B=64 sequences x 400 tokens, 2 threads, dev machine): 2.2 ms per layer
+// vs 3.8 ms for the previous token-at-a-time kernel; K/V streamed at ~17 GB/s of the ~31 GB/s the machine
+// reads, because blocks arrive out of order and the arithmetic does not overlap all of the DRAM latency.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -14,6 +17,8 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kPrefetchAhead = 1;  // blocks; 2 and 4 were slower or no faster on the dev machine
 
 struct Geometry {
   int64_t block_size, num_kv_heads, group, max_blocks, slot_stride, block_stride;
@@ -41,19 +46,21 @@ void attend_one(const float* q,       // [Hq, D] this sequence's query heads
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t n = std::min(BS, seq_len - blk * BS);
     const float* base = kv + table[blk] * g.block_stride;
-    if (blk + 1 < num_blocks) {
+    if (blk + kPrefetchAhead < num_blocks) {
       // NOTE: blocks sit anywhere in the pool and the hardware prefetcher does not follow the block
-      // table; asking for the next block now overlaps its DRAM latency with this block's arithmetic.
-      const char* next = reinterpret_cast<const char*>(kv + table[blk + 1] * g.block_stride);
-      const int64_t bytes = std::min(BS, seq_len - (blk + 1) * BS) * g.slot_stride * 4;
+      // table; asking for a block ahead now overlaps its DRAM latency with this block's arithmetic.
+      const int64_t ahead = blk + kPrefetchAhead;
+      const char* next = reinterpret_cast<const char*>(kv + table[ahead] * g.block_stride);
+      const int64_t bytes = std::min(BS, seq_len - ahead * BS) * g.slot_stride * 4;
       for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off);
     }
     for (int64_t h = 0; h < Hkv; ++h) {
       const float* qh = q + h * G * D;
+      const float* kbase = base + h * D;
       for (int64_t t = 0; t < n; ++t) {
-        const float* k = base + t * g.slot_stride + h * D;
+        const float* __restrict k = kbase + t * g.slot_stride;
         for (int64_t j = 0; j < G; ++j) {
-          const float* qj = qh + j * D;
+          const float* __restrict qj = qh + j * D;
           float s = 0.0f;
           for (int64_t d = 0; d < D; ++d) s += qj[d] * k[d];
           scores[j * BS + t] = s * scale;
@@ -78,14 +85,20 @@ void attend_one(const float* q,       // [Hq, D] this sequence's query heads
           for (int64_t d = 0; d < D; ++d) a[d] *= correction;
         }
       }
-      const int64_t v_offset = Hkv * D + h * D;
-      for (int64_t t = 0; t < n; ++t) {
-        const float* v = base + t * g.slot_stride + v_offset;
-        for (int64_t j = 0; j < G; ++j) {
-          const float w = scores[j * BS + t];
-          float* a = acc + (h * G + j) * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+      const float* vbase = base + Hkv * D + h * D;
+      for (int64_t j = 0; j < G; ++j) {
+        // NOTE: one query head at a time, over a local copy of its accumulator: with D fixed at compile
+        // time and no aliasing the compiler keeps it in vector registers across the block's tokens.
+        float a[kD > 0 ? kD : 256];
+        float* __restrict out_acc = acc + (h * G + j) * D;
+        const float* __restrict w = scores + j * BS;
+        for (int64_t d = 0; d < D; ++d) a[d] = out_acc[d];
+        for (int64_t t = 0; t < n; ++t) {
+          const float* __restrict v = vbase + t * g.slot_stride;
+          const float wt = w[t];
+          for (int64_t d = 0; d < D; ++d) a[d] += wt * v[d];
         }
+        for (int64_t d = 0; d < D; ++d) out_acc[d] = a[d];
       }
     }
   }
@@ -124,6 +137,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, Hq, D] f
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = kv.size(1), Hkv = kv.size(3);
   TORCH_CHECK(kv.size(4) == D && Hq % Hkv == 0, "paged_decode_attention: head shapes do not match");
+  TORCH_CHECK(D <= 256, "paged_decode_attention: head_dim above 256 is not supported");
   const Geometry g{BS, Hkv, Hq / Hkv, block_table.size(1), 2 * Hkv * D, BS * 2 * Hkv * D};
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
