@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP := $(BIN)/pip install -q --disable-pip-version-check $(FIND_LINKS)
 
-.PHONY: install serve generate test test-fast bench clean
+.PHONY: install serve generate test test-fast bench bench-compare clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,10 @@ test-fast: install
 
 bench: install
 	$(BIN)/kvserve bench offline --workload ../shared/workloads/mixed.jsonl
+
+# kvserve vs vLLM CPU, OpenVINO GenAI, llama.cpp and transformers (installed into .peers/; docs/BENCHMARKS.md)
+bench-compare: install
+	$(BIN)/kvserve bench compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info
