@@ -156,3 +156,24 @@ def test_compare_kvserve_server_against_transformers_end_to_end(tmp_path, capsys
     assert rows["transformers"]["same_text"] == 3, "greedy fp32 on the same weights must agree"
     assert rows["kvserve"]["total_output_tokens"] == 36
     assert "transformers" in printed and "3/3" in printed
+
+
+def test_bench_steps_accounts_for_every_token(tiny_llama, tmp_path, capsys):
+    from kvserve.bench.steps import bucket, profile
+    from kvserve.bench.workload import load_workload
+    from kvserve.cli.main import main
+    from kvserve.config import EngineArgs
+    from kvserve.engine.engine import Engine
+
+    path, _ = tiny_llama
+    workload = tmp_path / "w.jsonl"
+    prompts = [list(range(10, 10 + n)) for n in (300, 20, 5)]
+    workload.write_text("\n".join(json.dumps({"id": i, "prompt_token_ids": p, "max_tokens": 4})
+                                  for i, p in enumerate(prompts)))
+    engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=64, max_num_batched_tokens=320))
+    totals = profile(engine, load_workload(str(workload)))
+    assert sum(t[2] for t in totals.values()) == sum(len(p) + 4 - 1 for p in prompts)
+    assert "prompt >= 256" in totals and bucket(3, 3) == "decode < 8" and bucket(40, 32) == "prompt < 256"
+    assert main(["bench", "steps", "--workload", str(workload), "--model", path,
+                 "--num-gpu-blocks-override", "64"]) == 0
+    assert "prompt >= 256" in capsys.readouterr().out

@@ -1,0 +1,73 @@
+"""`kvserve bench steps`: where a workload's time goes, step by step (offline, no HTTP).
+
+Every request of the workload is queued at once (arrival times are ignored) and the engine is stepped by
+hand; each step is timed and put in a bucket by what it carried: prompt tokens (>= 256, or fewer beside
+decodes) or decodes only (by batch size). One line per bucket: steps, seconds, share of the run, tokens,
+ms per step, and tokens/s. Use it before optimising: a step's cost is set by its token count and by how
+much attention context its requests carry, and the buckets show which kind of step dominates.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+from kvserve.bench.workload import load_workload
+from kvserve.config import EngineArgs
+
+_BUCKETS = ("prompt >= 256", "prompt < 256", "decode >= 32", "decode 8-31", "decode < 8")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", required=True, help="JSONL workload (token ids)")
+    parser.add_argument("--num-requests", type=int, help="use only the first N requests")
+    EngineArgs.add_cli_args(parser.add_argument_group("engine"))
+
+
+def bucket(num_tokens: int, num_decodes: int) -> str:
+    prompt = num_tokens - num_decodes
+    if prompt >= 256:
+        return _BUCKETS[0]
+    if prompt > 0:
+        return _BUCKETS[1]
+    return _BUCKETS[2] if num_decodes >= 32 else _BUCKETS[3] if num_decodes >= 8 else _BUCKETS[4]
+
+
+def profile(engine, requests) -> dict[str, list[float]]:
+    """{bucket: [steps, seconds, tokens]} for the whole workload."""
+    from kvserve.sampling_params import SamplingParams
+
+    for i, r in enumerate(requests):
+        engine.add_request(f"steps-{i}", r.prompt_token_ids, SamplingParams(
+            temperature=0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos, detokenize=False))
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    while engine.scheduler.num_unfinished:
+        start = time.perf_counter()
+        out = engine.scheduler.schedule()
+        sampled = engine.runner.execute(out).sampled_token_ids
+        engine.scheduler.update(out, sampled)
+        row = totals[bucket(out.total_num_scheduled_tokens, sum(s.num_tokens == 1 for s in out.scheduled))]
+        row[0] += 1
+        row[1] += time.perf_counter() - start
+        row[2] += out.total_num_scheduled_tokens
+    return dict(totals)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.engine.engine import Engine
+
+    requests = load_workload(args.workload, args.num_requests)
+    engine = Engine(EngineArgs.from_cli(args))
+    Engine.freeze_gc()
+    totals = profile(engine, requests)
+    wall = sum(t[1] for t in totals.values())
+    print(f"{args.workload}: {len(requests)} requests, {sum(int(t[0]) for t in totals.values())} steps, "
+          f"{wall:.1f} s in steps")
+    print(f"{'bucket':<15}{'steps':>7}{'seconds':>9}{'share':>7}{'tokens':>9}{'ms/step':>9}{'tok/s':>8}")
+    for name in _BUCKETS:
+        if name in totals:
+            n, secs, toks = totals[name]
+            print(f"{name:<15}{int(n):>7}{secs:>9.1f}{secs / wall:>7.0%}{int(toks):>9}{1000 * secs / n:>9.1f}"
+                  f"{toks / secs:>8.0f}")
+    return 0
+
