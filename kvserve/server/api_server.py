@@ -83,26 +83,20 @@ def build_app(config: ServerConfig, engine_args: EngineArgs) -> FastAPI:
     return app
 
 
+def _forward(handler):
+    """An endpoint whose only parameter is the request (so FastAPI reads nothing else from it)."""
+    async def endpoint(request: Request) -> Response:
+        return await handler(_state(request), request)
+    return endpoint
+
+
 def _add_routes(app: FastAPI, auth: list) -> None:
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(request: Request) -> Response:
-        return await create_completion(_state(request), request)
-
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(_state(request), request)
-
-    @app.post("/v1/messages", dependencies=auth)
-    async def messages(request: Request) -> Response:
-        return await create_message(_state(request), request)
-
-    @app.post("/v1/messages/count_tokens", dependencies=auth)
-    async def messages_count_tokens(request: Request) -> Response:
-        return await count_tokens(_state(request), request)
-
-    @app.post("/debug/prefix-cache/explain", dependencies=auth)
-    async def debug_prefix_cache_explain(request: Request) -> Response:
-        return await explain_prefix(_state(request), request)
+    # Endpoints whose handler takes the server state and the request as they are.
+    forwarded = {"/v1/completions": create_completion, "/v1/chat/completions": create_chat_completion,
+                 "/v1/messages": create_message, "/v1/messages/count_tokens": count_tokens,
+                 "/debug/prefix-cache/explain": explain_prefix}
+    for path, handler in forwarded.items():
+        app.add_api_route(path, _forward(handler), methods=["POST"], dependencies=auth, name=handler.__name__)
 
     @app.get("/debug/prefix-cache", dependencies=auth)
     async def debug_prefix_cache(request: Request) -> Response:
