@@ -25,9 +25,11 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
-    """"stop", "length" or "abort"; None while still running."""
+    """"stop", "length", "abort" or "error"; None while still running."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the request, if any."""
+    error: str | None = None
+    """With finish_reason "error": what failed (this sequence alone failed; the engine ran on)."""
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -17,15 +17,17 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+    """Failed on its own (its sampling, detokenization or stop strings raised); the others ran on."""
 
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 @dataclass
@@ -68,6 +70,8 @@ class Request:
     """Prompt tokens whose KV came from the prefix cache at first admission."""
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    error: str | None = None
+    """Why the request failed (status FINISHED_ERROR)."""
     timings: RequestTimings = field(default_factory=lambda: RequestTimings(time.monotonic()))
 
     @property

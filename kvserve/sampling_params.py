@@ -1,6 +1,7 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (vLLM-shaped)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Below this temperature a request is treated as greedy (vLLM uses the same cut-off).
@@ -49,8 +50,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self._stop_list = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)) or self.stop is None:
             self._stop_list = list(self.stop or [])
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
 
@@ -58,37 +63,53 @@ class SamplingParams:
         def bad(name: str, rule: str, value) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {value!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1", self.n)
-        if self.temperature < 0.0:
-            raise bad("temperature", "non-negative", self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]", self.top_p)
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        def integer(name: str, low: int | None = None, high: int | None = None, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            rule = "an integer" + (f" >= {low}" if low is not None and high is None else "")
+            if low is not None and high is not None:
+                rule = f"an integer in [{low}, {high}]"
+            if not _is_int(value) or (low is not None and value < low) or (high is not None and value > high):
+                raise bad(name, rule, value)
+
+        def real(name: str, rule: str, ok) -> None:
+            value = getattr(self, name)
+            # NOTE: NaN fails every comparison, so a range check alone would let it through.
+            if not _is_real(value) or not math.isfinite(value):
+                raise bad(name, "a finite number", value)
+            if not ok(value):
+                raise bad(name, rule, value)
+
+        integer("n", 1)
+        real("temperature", "non-negative", lambda v: v >= 0.0)
+        real("top_p", "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "-1 (disabled), 0 (disabled) or a positive integer", self.top_k)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]", self.min_p)
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", "greater than 0", self.repetition_penalty)
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1", self.max_tokens)
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0", self.min_tokens)
+        real("min_p", "in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+        real("repetition_penalty", "greater than 0", lambda v: v > 0.0)
+        real("presence_penalty", "in [-2, 2]", lambda v: -2.0 <= v <= 2.0)
+        real("frequency_penalty", "in [-2, 2]", lambda v: -2.0 <= v <= 2.0)
+        integer("seed", -2**63, 2**63 - 1, optional=True)
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "a non-negative integer", self.logprobs)
+        integer("logprobs", 0, optional=True)
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, "true or false", getattr(self, flag))
         if any(not isinstance(s, str) or s == "" for s in self._stop_list):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise bad("logit_bias", "a mapping of token id to bias", self.logit_bias)
         for token_id, bias in (self.logit_bias or {}).items():
-            if not isinstance(token_id, int) or token_id < 0:
+            if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
-            if not -100.0 <= float(bias) <= 100.0:
+            if not _is_real(bias) or not -100.0 <= bias <= 100.0:  # NaN fails the range
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
 
     @property
@@ -113,3 +134,11 @@ class SamplingParams:
         kwargs = {f: getattr(self, f) for f in self.__dataclass_fields__ if not f.startswith("_")}
         kwargs.update(changes)
         return SamplingParams(**kwargs)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -13,6 +13,11 @@ import torch
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-examples", type=int, default=15,
+                     help="hypothesis examples per fuzzed endpoint (tests/test_fuzz.py); more finds more")
+
+
 def _tiny_config(arch: str, tie: bool):
     import transformers as tf
 

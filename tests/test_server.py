@@ -394,7 +394,8 @@ _LONG_PROMPT = list(range(1, 1101))  # over max_model_len (1024)
 ])
 def test_bad_input_gets_openai_error_and_server_still_serves(http, model, check_schema, method, path, body,
                                                             status, needles):
-    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kwargs = ({"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes)
+              else {"json": body})
     r = http.request(method, path, **kwargs)
     assert r.status_code == status, r.text
     check_schema("ErrorResponse", r.json())

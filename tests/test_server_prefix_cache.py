@@ -22,7 +22,7 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    yield from served(tiny_llama[0], tmp_path_factory, "--stats-interval", "0")
+    yield from served(tiny_llama[0], tmp_path_factory, "--stats-interval", "0", "--enable-debug-endpoints")
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.utils.memory import resident_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,18 @@ class EngineOverloadedError(Exception):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (crash, or shutdown); no request can run any more."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server ended this request before it finished (e.g. shutting down past its timeout)."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past its deadline (--request-timeout); it was aborted."""
+
+
+class EngineInternalError(RuntimeError):
+    """The engine failed on this request alone (not the client's fault); the engine runs on."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,11 @@ class EngineStats:
     num_steps_total: int = 0
     busy_s: float = 0.0
     """Seconds spent inside Engine.step(); its growth over wall time is the loop's busy fraction."""
+    num_kv_blocks_total: int = 0
+    num_kv_request_blocks: int = 0
+    """KV blocks held by requests' block tables (not counting blocks only prompt-cache pins hold)."""
+    resident_memory_bytes: int = 0
+    """Resident memory of the process the engine runs in."""
 
 
 @dataclass
@@ -114,12 +132,14 @@ class _QueryResult:
     query_id: int
     result: object
     error: str | None  # the engine's ValueError message; None on success
+    internal: bool = False
 
 
 @dataclass(frozen=True)
 class _AddResult:
     request_id: str
     error: str | None  # the engine's ValueError message; None when queued
+    internal: bool = False  # the error is the engine's fault, not the request's
 
 
 @dataclass(frozen=True)
@@ -178,6 +198,9 @@ class EngineLoop:
                                     cache_pin=command.cache_pin)
         except ValueError as e:
             self._emit(_AddResult(command.request_id, str(e)))
+        except Exception as e:  # NOTE: validation runs before any state changes, so the engine is intact
+            logger.exception("adding request %s failed", command.request_id)
+            self._emit(_AddResult(command.request_id, f"{type(e).__name__}: {e}", internal=True))
         else:
             self._emit(_AddResult(command.request_id, None))
 
@@ -189,6 +212,9 @@ class EngineLoop:
             result = getattr(self.engine, query.method)(*query.args)
         except ValueError as e:
             self._emit(_QueryResult(query.query_id, None, str(e)))
+        except Exception as e:  # read-only queries: a failure leaves the engine as it was
+            logger.exception("engine query %s failed", query.method)
+            self._emit(_QueryResult(query.query_id, None, f"{type(e).__name__}: {e}", internal=True))
         else:
             self._emit(_QueryResult(query.query_id, result, None))
 
@@ -201,7 +227,10 @@ class EngineLoop:
             num_prefix_query_tokens_total=sched.stats.num_prefix_query_tokens,
             num_prefix_hit_tokens_total=sched.stats.num_prefix_hit_tokens,
             num_pinned_blocks=sched.kv.pins.num_pinned,
-            num_steps_total=self._num_steps, busy_s=self._busy_s)
+            num_steps_total=self._num_steps, busy_s=self._busy_s,
+            num_kv_blocks_total=self.engine.block_pool.num_blocks,
+            num_kv_request_blocks=sched.kv.num_request_blocks,
+            resident_memory_bytes=resident_memory_bytes())
 
 
 def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None],
@@ -329,13 +358,15 @@ class RequestStream:
 
     Outputs that queued up while the consumer was busy are merged into one (their `new_token_ids` and
     `new_texts` concatenated; cumulative fields from the newest), so a slow client costs one chunk per
-    wake-up, not one per step. `close()` aborts the request if it has not finished.
+    wake-up, not one per step. `close()` aborts the request if it has not finished. Past `deadline`
+    (event-loop time) the request is aborted and the iterator raises RequestTimeoutError.
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, num_seqs: int):
+    def __init__(self, engine: "AsyncEngine", request_id: str, num_seqs: int, deadline: float | None = None):
         self.request_id = request_id
         self.num_seqs = num_seqs
         self.finished = False
+        self.deadline = deadline
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -345,7 +376,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                item = await self._queue.get()
+        except TimeoutError:
+            self.close()
+            raise RequestTimeoutError("the request ran past the server's deadline (--request-timeout) "
+                                      "and was aborted") from None
         while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
             newer = self._queue.get_nowait()
             item = newer if isinstance(newer, BaseException) else _merge(item, newer)
@@ -397,6 +434,7 @@ class AsyncEngine:
         self._query_ids = itertools.count()
         self._num_inflight_seqs = 0
         self._listeners: list[Callable[[StepReport], None]] = []
+        self._on_dead: list[Callable[[str], None]] = []
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self) -> EngineInfo:
@@ -436,14 +474,20 @@ class AsyncEngine:
     def add_listener(self, listener: Callable[[StepReport], None]) -> None:
         self._listeners.append(listener)
 
+    def add_dead_listener(self, listener: Callable[[str], None]) -> None:
+        """`listener(reason)` runs once, on the event loop, if the engine loop dies (not on shutdown)."""
+        self._on_dead.append(listener)
+
     # ---- requests -------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          prompt_text: str | None = None,
-                          cache_pin: tuple[int, float] | None = None) -> RequestStream:
+                          prompt_text: str | None = None, cache_pin: tuple[int, float] | None = None,
+                          deadline: float | None = None) -> RequestStream:
         """Queue a request once the engine accepted it. Raises ValueError (rejected by the engine: the
-        message says why), EngineOverloadedError (over capacity) or EngineDeadError.
+        message says why), EngineOverloadedError (over capacity), EngineInternalError (the engine failed
+        on it) or EngineDeadError.
 
-        cache_pin: (prefix tokens, TTL seconds) to pin in the prefix cache (see Engine.add_request)."""
+        cache_pin: (prefix tokens, TTL seconds) to pin in the prefix cache (see Engine.add_request).
+        deadline: event-loop time (loop.time()) after which the request is aborted (RequestStream)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._streams:
@@ -452,7 +496,7 @@ class AsyncEngine:
             raise EngineOverloadedError(
                 f"the server is at capacity ({self._num_inflight_seqs} sequences in flight; at most "
                 f"{self.args.max_num_seqs} running + {self.max_queue_len} waiting); retry later")
-        stream = RequestStream(self, request_id, params.n)
+        stream = RequestStream(self, request_id, params.n, deadline)
         self._streams[request_id] = stream
         self._num_inflight_seqs += params.n
         added = asyncio.get_running_loop().create_future()
@@ -460,12 +504,12 @@ class AsyncEngine:
         self._transport.send(_Add(request_id, list(prompt_token_ids), params, prompt_text, time.monotonic(),
                                   cache_pin))
         try:
-            error = await added
+            error, internal = await added
         except asyncio.CancelledError:  # the client left while the engine was busy with a step
             stream.close()
             raise
         if error is not None:
-            raise ValueError(error)
+            raise EngineInternalError(error) if internal else ValueError(error)
         return stream
 
     # ---- read-only questions to the engine ------------------------------------------------------
@@ -485,17 +529,27 @@ class AsyncEngine:
         self._pending_queries[query_id] = answered
         self._transport.send(_Query(query_id, method, args))
         try:
-            result, error = await answered
+            result, error, internal = await answered
         finally:
             self._pending_queries.pop(query_id, None)
         if error is not None:
-            raise ValueError(error)
+            raise EngineInternalError(error) if internal else ValueError(error)
         return result
 
     def abort(self, request_id: str) -> None:
         """Ask the loop to abort a request; its final output (finish_reason "abort") ends its stream."""
         if self._transport is not None and request_id in self._streams:
             self._transport.send(_Abort(request_id))
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight; each stream ends with RequestAbortedError(reason) rather than
+        an ordinary final output. Returns how many requests were aborted."""
+        ids = list(self._streams)
+        for request_id in ids:
+            self.abort(request_id)
+            self._streams[request_id]._queue.put_nowait(RequestAbortedError(reason))
+            self._forget(request_id)
+        return len(ids)
 
     # ---- messages from the loop (on the event loop) ---------------------------------------------
     def _on_message(self, message: object) -> None:
@@ -506,21 +560,25 @@ class AsyncEngine:
             if message.error is not None:
                 self._forget(message.request_id)
             if future is not None and not future.done():
-                future.set_result(message.error)
+                future.set_result((message.error, message.internal))
         elif isinstance(message, _QueryResult):
             future = self._pending_queries.get(message.query_id)
             if future is not None and not future.done():
-                future.set_result((message.result, message.error))
+                future.set_result((message.result, message.error, message.internal))
         elif isinstance(message, _Ready):
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(message)
         elif isinstance(message, _Stopped):
-            if message.error is not None and self._transport is not None:  # not after start() failed
+            died = message.error is not None and self._transport is not None  # not after start() failed
+            if died:
                 logger.error("engine loop stopped: %s", message.error)
                 self.dead_reason = "the engine stopped after an internal error"
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(_Ready(None, message.error or "stopped before it was ready"))
             self._fail_all(self.dead_reason or "the engine is shut down")
+            if died:
+                for listener in self._on_dead:
+                    listener(self.dead_reason)
 
     def _on_step(self, report: StepReport) -> None:
         self.stats = report.stats

@@ -50,6 +50,19 @@ class KVCacheLayout:
         return self.num_tokens * self.bytes_per_token
 
 
+def check_token_ids(token_ids, vocab_size: int, what: str) -> None:
+    """Raises ValueError naming up to five ids that are not integers in [0, vocab_size).
+
+    NOTE: the one place token ids from outside are checked; past admission every id is trusted."""
+    bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
+
+
+def _wrap_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -169,8 +182,12 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Text -> token ids (with the tokenizer's BOS rules); token ids are checked against the vocabulary."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        check_token_ids(prompt, self.hf_config.vocab_size, "prompt")
         return list(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -179,9 +196,7 @@ class Engine:
         if n == 0:
             raise ValueError("prompt must not be empty")
         vocab = self.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        check_token_ids(prompt_token_ids, vocab, "prompt")
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens, but max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")
@@ -195,10 +210,8 @@ class Engine:
                              f"whole pool has {self.kv_layout.num_blocks} (raise --kv-cache-memory)")
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs ({self.args.max_logprobs})")
-        for tid in list(params.logit_bias or {}) + params.stop_token_ids:
-            if tid >= vocab:
-                raise ValueError(f"token id {tid} (logit_bias / stop_token_ids) is outside the vocabulary "
-                                 f"of {vocab}")
+        check_token_ids(params.logit_bias or {}, vocab, "logit_bias")
+        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -219,7 +232,7 @@ class Engine:
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i)
+                n=1, seed=None if params.seed is None else _wrap_int64(params.seed + i))
             gen = None if child_params.seed is None else torch.Generator().manual_seed(child_params.seed)
             salt = None
             if params.n > 1 and not self.args.enable_prefix_caching:
@@ -248,6 +261,8 @@ class Engine:
         token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len ({self.max_model_len})")
         ex = self.scheduler.kv.explain(token_ids)
         pos = ex.num_matched_tokens
         block_start = pos - pos % self.args.block_size
@@ -280,10 +295,20 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration. A failure attributable to one request (its sampling, detokenization or stop
+        strings) finishes that request with finish_reason "error" and the step goes on; anything else
+        (the forward pass itself) raises: the engine's state is then no longer trusted."""
         sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute(sched_out)
+        failed = [self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR, error)
+                  for rid, error in runner_out.errors.items()]
         advanced = self.scheduler.update(sched_out, runner_out.sampled_token_ids)
-        aborted, self._aborted = self._aborted, []
+        ended, self._aborted = self._aborted + [r for r in failed if r is not None], []
         return self.output_processor.process(
-            advanced, runner_out.logprobs, aborted,
-            on_stop=lambda r: self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED))
+            advanced, runner_out.logprobs, ended,
+            on_stop=lambda r: self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED),
+            on_error=self._fail)
+
+    def _fail(self, req: Request, error: str) -> None:
+        if self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error) is None:
+            req.status, req.error = RequestStatus.FINISHED_ERROR, error  # it had finished in this very step

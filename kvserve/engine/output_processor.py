@@ -5,14 +5,17 @@ scheduler; stop strings are found here, and the engine then finishes those reque
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvserve.request import Request
+from kvserve.request import Request, RequestStatus
 from kvserve.sample.sampler import RowLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,30 +59,40 @@ class OutputProcessor:
         self._groups[request_id] = _GroupState(request_id, prompt, children[0].prompt_token_ids, samples,
                                                children[0].timings.arrival)
 
-    def process(self, advanced: list[Request], logprobs: dict[str, RowLogprobs], aborted: list[Request],
-                on_stop: Callable[[Request], None]) -> list[RequestOutput]:
+    def process(self, advanced: list[Request], logprobs: dict[str, RowLogprobs], ended: list[Request],
+                on_stop: Callable[[Request], None],
+                on_error: Callable[[Request, str], None]) -> list[RequestOutput]:
         """Outputs for every group that changed this step. A child whose text reached a stop string is
-        handed to `on_stop` (which finishes it in the scheduler) before its output is built."""
+        handed to `on_stop` (which finishes it in the scheduler) before its output is built; a child
+        whose text handling raised is handed to `on_error` with the reason, and fails alone.
+        `ended`: children finished outside the token flow (aborted, failed in sampling)."""
         touched: dict[str, _GroupState] = {}
         for req in advanced:
             group_id, idx = self._child_to_group[req.request_id]
             group = self._groups[group_id]
-            state = group.samples[idx]
-            token = req.output_token_ids[-1]
-            state.new_token_ids.append(token)
-            if state.logprobs is not None and req.request_id in logprobs:
-                entry = self._logprob_entry(logprobs[req.request_id])
-                state.logprobs.append(entry)
-                state.cumulative_logprob += entry[token].logprob
-            if state.detok is not None and state.detok.add_tokens([token], finished=req.is_finished):
-                if not req.is_finished:
-                    on_stop(req)
+            try:
+                self._add_token(group.samples[idx], req, logprobs.get(req.request_id), on_stop)
+            except Exception as e:
+                logger.exception("output processing failed for request %s", req.request_id)
+                on_error(req, f"output processing failed: {type(e).__name__}: {e}")
             touched[group_id] = group
-        for req in aborted:
+        for req in ended:
             if req.request_id in self._child_to_group:
                 group_id, _ = self._child_to_group[req.request_id]
                 touched[group_id] = self._groups[group_id]
         return [self._make_output(g) for g in touched.values()]
+
+    def _add_token(self, state: _SampleState, req: Request, row_logprobs: RowLogprobs | None,
+                   on_stop: Callable[[Request], None]) -> None:
+        token = req.output_token_ids[-1]
+        state.new_token_ids.append(token)
+        if state.logprobs is not None and row_logprobs is not None:
+            entry = self._logprob_entry(row_logprobs)
+            state.logprobs.append(entry)
+            state.cumulative_logprob += entry[token].logprob
+        if state.detok is not None and state.detok.add_tokens([token], finished=req.is_finished):
+            if not req.is_finished:
+                on_stop(req)
 
     def _logprob_entry(self, row: RowLogprobs) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
@@ -96,8 +109,12 @@ class OutputProcessor:
             text = ""
             delta = ""
             if s.detok is not None:
-                if finished:
-                    s.detok.add_tokens([], finished=True)
+                if finished and req.error is None:
+                    try:
+                        s.detok.add_tokens([], finished=True)
+                    except Exception as e:  # the final flush of a finished request: fail it alone
+                        logger.exception("output processing failed for request %s", req.request_id)
+                        req.status, req.error = RequestStatus.FINISHED_ERROR, f"detokenization failed: {e}"
                 text = s.detok.text
                 delta = s.detok.take_delta(finished)
             stop_reason = req.stop_reason
@@ -107,7 +124,7 @@ class OutputProcessor:
                 index=s.index, text=text, token_ids=list(req.output_token_ids),
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=req.status.finish_reason, stop_reason=stop_reason))
+                finish_reason=req.status.finish_reason, stop_reason=stop_reason, error=req.error))
             new_ids.append(s.new_token_ids)
             new_texts.append(delta)
             s.new_token_ids = []

@@ -141,6 +141,12 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
 
+    @property
+    def num_request_blocks(self) -> int:
+        """Distinct blocks held by request tables: zero whenever no request is running (else a leak)."""
+        in_use = self.pool.num_blocks - self.pool.num_free_blocks
+        return in_use - self.pins.num_pin_only
+
     def num_blocks_held(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
 

@@ -32,6 +32,11 @@ class PinTable:
     def num_pinned(self) -> int:
         return len(self._pins)
 
+    @property
+    def num_pin_only(self) -> int:
+        """Pinned blocks that no request holds (the pin is their only reference)."""
+        return sum(1 for pin in self._pins.values() if pin.block.ref_count == 1)
+
     def is_pinned(self, block: KVBlock) -> bool:
         return block.block_id in self._pins
 

@@ -72,11 +72,12 @@ class Scheduler:
         if wait_for is not None:
             self._wait_for[request.request_id] = wait_for
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Finish (or abort) a request wherever it is; its blocks are released now."""
+    def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
+        """Finish (or abort, or fail with `error`) a request wherever it is; its blocks are released now."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        req.error = error
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:

@@ -18,7 +18,7 @@ from kvserve.server.errors import APIError
 
 # ---- requests ---------------------------------------------------------------------------------
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class CacheControl(_Request):
@@ -60,10 +60,14 @@ class CountTokensRequest(_Request):
     cache_control: CacheControl | None = None
     """Top level: marks the last block of the conversation (Anthropic's automatic caching)."""
     tools: list[Any] | None = None
+    thinking: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools")
+        if self.thinking is not None and self.thinking.get("type") != "disabled":
+            raise APIError(400, "thinking: extended thinking is not supported by this server (send "
+                                "{\"type\": \"disabled\"} or leave it out)", param="thinking")
 
     def conversation_parts(self) -> list[MessageParts]:
         """(role, text parts) per message; a non-empty system prompt becomes message 0."""
@@ -110,6 +114,11 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
+        # NOTE: Anthropic's ranges, narrower than OpenAI's: temperature 0-1, top_k >= 0 (0: off).
+        if self.temperature is not None and not 0.0 <= self.temperature <= 1.0:
+            raise APIError(400, f"temperature: must be between 0 and 1, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise APIError(400, f"top_k: must be >= 0, got {self.top_k}")
         values = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences)
         kwargs = {k: v for k, v in values.items() if v is not None}
         try:

@@ -7,9 +7,11 @@ in one ServerState on `app.state`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -22,10 +24,13 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.metrics import ServerMetrics, log_stats_periodically
-from kvserve.server.prompts import chat_prompt, render_chat
-from kvserve.server.protocol import (ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard,
-                                     ModelList, TokenizeRequest, TokenizeResponse)
-from kvserve.server.serving import ServerState, read_body
+from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from kvserve.server.limits import check_messages
+from kvserve.server.openapi import request_body_schema
+from kvserve.server.prompts import TextLimit, render_chat_prompt
+from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                     ExplainPrefixRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from kvserve.server.serving import ServerState, read_request
 from kvserve.server.serving_chat import create_chat_completion
 from kvserve.server.serving_completions import create_completion
 from kvserve.server.serving_debug import explain_prefix, prefix_cache_stats
@@ -38,8 +43,13 @@ def _state(request: Request) -> ServerState:
     return request.app.state.kvserve
 
 
-def build_app(config: ServerConfig, engine_args: EngineArgs) -> FastAPI:
-    """An app that starts the engine in its lifespan (so on the server's own event loop)."""
+def build_app(config: ServerConfig, engine_args: EngineArgs,
+              on_ready: Callable[[], None] | None = None,
+              on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
+    """An app that starts the engine in its lifespan (so on the server's own event loop).
+
+    on_ready: called once the engine is up (the CLI prints where it serves then).
+    on_engine_dead: called if the engine loop dies (the CLI then exits non-zero, for a supervisor)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -49,8 +59,14 @@ def build_app(config: ServerConfig, engine_args: EngineArgs) -> FastAPI:
         names = [config.served_model_name or info.model_name]
         metrics = ServerMetrics(names[0])
         engine.add_listener(metrics.on_step)
-        app.state.kvserve = ServerState(config, engine, engine.tokenizer, metrics, names, info.max_model_len,
-                                        int(time.time()))
+        if config.log_requests:
+            engine.add_listener(_log_finished)
+        if on_engine_dead is not None:
+            engine.add_dead_listener(on_engine_dead)
+        state = ServerState(config, engine, engine.tokenizer, metrics, names, info.max_model_len,
+                            int(time.time()), TextLimit.of(engine.tokenizer, info.max_model_len),
+                            config.body_limit(info.max_model_len))
+        app.state.kvserve = state
         stats_task = None
         if config.stats_interval > 0:
             stats_task = asyncio.create_task(log_stats_periodically(metrics, lambda: engine.stats,
@@ -58,29 +74,54 @@ def build_app(config: ServerConfig, engine_args: EngineArgs) -> FastAPI:
         logger.info("engine ready (%s, %s): model %s, max_model_len %d, %d KV blocks of %d tokens",
                     config.engine_loop, engine_args.device, names[0],
                     info.max_model_len, info.num_kv_blocks, info.block_size)
+        logger.info("limits: body %d bytes, prompt text %d characters, n %d, stop strings %d of <= %d "
+                    "characters, messages %d, logit_bias %d, max_tokens %s, request timeout %s",
+                    state.body_limit, state.text_limit.max_chars, config.max_n, config.max_stop_strings,
+                    config.max_stop_string_length, config.max_messages, config.max_logit_bias,
+                    config.max_tokens_limit or "up to max_model_len",
+                    f"{config.request_timeout:g} s" if config.request_timeout else "none")
+        if on_ready is not None:
+            on_ready()
         try:
             yield
         finally:
             if stats_task is not None:
                 stats_task.cancel()
             await engine.shutdown()
+            state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
     install_error_handlers(app)
+    keys = config.api_keys
+    # NOTE: digests of equal length, so comparing costs the same whatever the key or the guess.
+    digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 
     async def check_api_key(request: Request) -> None:
-        if config.api_key is None:
+        if not keys:
             return
         # OpenAI clients send `Authorization: Bearer KEY`, Anthropic clients `x-api-key: KEY`; either works.
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         offered = [token.strip()] if scheme.lower() == "bearer" else []
         offered += [request.headers["x-api-key"].strip()] if "x-api-key" in request.headers else []
-        if not any(hmac.compare_digest(key.encode(), config.api_key.encode()) for key in offered):
+        # NOTE: every (offer, key) pair is compared, with no early exit, so timing says nothing of which
+        # key (or whether a prefix) matched.
+        matches = [hmac.compare_digest(hashlib.sha256(o.encode()).digest(), d) for o in offered for d in digests]
+        if not any(matches):
             raise APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    _add_routes(app, [Depends(check_api_key)])
+    auth = [Depends(check_api_key)]
+    _add_routes(app, auth, metrics_auth=auth if config.require_api_key_for_metrics else [])
+    if config.enable_debug_endpoints:
+        _add_debug_routes(app, auth)
     return app
+
+
+def _log_finished(report) -> None:
+    for out in report.outputs:
+        if out.finished:
+            for o in out.outputs:
+                logger.info("request %s finished (%s): output %r", out.request_id, o.finish_reason, o.text)
 
 
 def _forward(handler):
@@ -90,17 +131,25 @@ def _forward(handler):
     return endpoint
 
 
-def _add_routes(app: FastAPI, auth: list) -> None:
-    # Endpoints whose handler takes the server state and the request as they are.
-    forwarded = {"/v1/completions": create_completion, "/v1/chat/completions": create_chat_completion,
-                 "/v1/messages": create_message, "/v1/messages/count_tokens": count_tokens,
-                 "/debug/prefix-cache/explain": explain_prefix}
-    for path, handler in forwarded.items():
-        app.add_api_route(path, _forward(handler), methods=["POST"], dependencies=auth, name=handler.__name__)
+def _add_debug_routes(app: FastAPI, auth: list) -> None:
+    app.add_api_route("/debug/prefix-cache/explain", _forward(explain_prefix), methods=["POST"],
+                      dependencies=auth, name="explain_prefix",
+                      openapi_extra=request_body_schema(ExplainPrefixRequest))
 
     @app.get("/debug/prefix-cache", dependencies=auth)
     async def debug_prefix_cache(request: Request) -> Response:
         return await prefix_cache_stats(_state(request))
+
+
+def _add_routes(app: FastAPI, auth: list, metrics_auth: list) -> None:
+    # Endpoints whose handler takes the server state and the request as they are.
+    forwarded = {"/v1/completions": (create_completion, CompletionRequest),
+                 "/v1/chat/completions": (create_chat_completion, ChatCompletionRequest),
+                 "/v1/messages": (create_message, MessagesRequest),
+                 "/v1/messages/count_tokens": (count_tokens, CountTokensRequest)}
+    for path, (handler, body) in forwarded.items():
+        app.add_api_route(path, _forward(handler), methods=["POST"], dependencies=auth, name=handler.__name__,
+                          openapi_extra=request_body_schema(body))
 
     @app.get("/v1/models", dependencies=auth)
     async def models(request: Request) -> Response:
@@ -109,43 +158,48 @@ def _add_routes(app: FastAPI, auth: list) -> None:
                            max_model_len=s.max_model_len) for name in s.model_names]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize", dependencies=auth, openapi_extra=request_body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         s = _state(request)
-        body = await read_body(request, TokenizeRequest, s.config.max_body_size_bytes)
+        body = await read_request(s, request, TokenizeRequest)
         s.resolve_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of `prompt` and `messages`", param="prompt")
         if body.messages is not None:
+            check_messages(s.config, len(body.messages))
             chat = ChatCompletionRequest(messages=body.messages)
-            text = render_chat(s.tokenizer, chat.conversation(), bool(body.add_generation_prompt))
-            ids = chat_prompt(s.tokenizer, text).token_ids
+            prompt = await s.off_loop(render_chat_prompt, s.tokenizer, chat.conversation(), s.text_limit,
+                                      bool(body.add_generation_prompt))
+            ids = prompt.token_ids
         else:
-            ids = s.tokenizer.encode(body.prompt, add_special_tokens=bool(body.add_special_tokens))
-        strs = s.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+            s.text_limit.check(body.prompt, "prompt")
+            ids = await s.off_loop(s.tokenizer.encode, body.prompt, add_special_tokens=bool(body.add_special_tokens))
+        strs = await s.off_loop(s.tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
         out = TokenizeResponse(count=len(ids), max_model_len=s.max_model_len, tokens=ids, token_strs=strs)
         return Response(out.model_dump_json(), media_type="application/json")
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize", dependencies=auth, openapi_extra=request_body_schema(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         s = _state(request)
-        body = await read_body(request, DetokenizeRequest, s.config.max_body_size_bytes)
+        body = await read_request(s, request, DetokenizeRequest)
         s.resolve_model(body.model)
         vocab = len(s.tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
-        text = s.tokenizer.decode(body.tokens)
+        text = await s.off_loop(s.tokenizer.decode, body.tokens)
         return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        engine = _state(request).engine
-        if not engine.is_running:
-            raise APIError(503, f"the engine is not running: {engine.dead_reason}")
+        s = _state(request)
+        if not s.engine.is_running:
+            raise APIError(503, f"the engine is not running: {s.engine.dead_reason}")
+        if s.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=metrics_auth)
     async def metrics(request: Request) -> Response:
         return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.server.prompts import chat_prompt, render_chat
+from kvserve.server.prompts import render_chat
 
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 MAX_BREAKPOINTS = 4  # Anthropic's limit per request
@@ -55,7 +55,7 @@ def breakpoint_num_tokens(tokenizer, messages: list[MessageParts], bp: Breakpoin
     role, parts = messages[bp.message_index]
     truncated = conversation(messages[:bp.message_index] + [(role, parts[:bp.num_parts])])
     text = render_chat(tokenizer, truncated, add_generation_prompt=False)
-    prefix_ids = chat_prompt(tokenizer, text).token_ids
+    prefix_ids = tokenizer.encode(text, add_special_tokens=False)  # as chat_prompt encodes the full prompt
     return common_prefix_len(prefix_ids, prompt_ids)
 
 

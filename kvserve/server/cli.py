@@ -1,11 +1,14 @@
 """`kvserve serve`: the OpenAI-compatible HTTP server on uvicorn, with every engine flag.
 
-SIGTERM (or Ctrl+C) stops accepting connections, lets in-flight requests finish within
---shutdown-timeout seconds, aborts what is left, stops the engine and exits 0.
+SIGTERM (or Ctrl+C) stops accepting connections and new requests (503), lets in-flight requests finish
+within --shutdown-timeout seconds, then aborts what is left (open streams end with an error event and
+`[DONE]`), stops the engine and exits 0. If the engine loop dies, in-flight requests get errors, /health
+answers 503 and the process exits 1, so a supervisor restarts it.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
@@ -15,10 +18,14 @@ import threading
 import uvicorn
 
 from kvserve.config import EngineArgs
+from kvserve.models.loader import ModelSource
 from kvserve.server.api_server import build_app
 from kvserve.server.config import ServerConfig
 
 logger = logging.getLogger("kvserve.server")
+
+# Seconds after the aborts for the streams' closing error events to reach their clients.
+_ABORT_FLUSH_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,15 +36,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = ServerConfig.from_cli(args)
     engine_args = EngineArgs.from_cli(args)
+    ModelSource.resolve(engine_args.model)  # a wrong --model fails here, before anything is announced
     sock = _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
-    # NOTE: tests start the server with --port 0 and read the chosen port from this line.
-    print(f"kvserve: serving on http://{_url_host(host)}:{port}", flush=True)
+
+    def on_ready() -> None:
+        # NOTE: tests start the server with --port 0 and read the chosen port from this line.
+        print(f"kvserve: serving on http://{_url_host(host)}:{port}", flush=True)
+
+    app = build_app(config, engine_args, on_ready=on_ready, on_engine_dead=lambda reason: server.fail(reason))
+    # NOTE: uvicorn's own grace period outlasts ours, so the error events of aborted streams get written.
     server = _GracefulServer(uvicorn.Config(
-        build_app(config, engine_args), log_level="info", access_log=config.access_log,
-        timeout_graceful_shutdown=config.shutdown_timeout, timeout_keep_alive=5))
+        app, log_level="info", access_log=config.access_log,
+        timeout_graceful_shutdown=config.shutdown_timeout + _ABORT_FLUSH_S, timeout_keep_alive=5),
+        app, drain_timeout=config.shutdown_timeout)
     server.run(sockets=[sock])
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    return server.exit_code
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -60,7 +76,41 @@ def _url_host(host: str) -> str:
 
 class _GracefulServer(uvicorn.Server):
     """uvicorn's server, minus its re-raising of the signal after shutdown: a drained shutdown on
-    SIGTERM is a success, so the process exits 0 instead of dying by the signal (status 143)."""
+    SIGTERM is a success, so the process exits 0 instead of dying by the signal (status 143).
+
+    On shutdown it first marks the server as draining (new requests: 503), and aborts whatever is still
+    in flight after `drain_timeout` seconds, so every stream ends with an error event, not a cut."""
+
+    def __init__(self, config: uvicorn.Config, app, drain_timeout: float):
+        super().__init__(config)
+        self.app = app
+        self.drain_timeout = drain_timeout
+        self.exit_code = 0
+
+    def fail(self, reason: str) -> None:
+        """The engine died: shut down and exit non-zero."""
+        logger.error("shutting down: %s", reason)
+        self.exit_code = 1
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        state = getattr(self.app.state, "kvserve", None)  # None: the engine never started
+        aborter = None
+        if state is not None:
+            state.draining = True
+            aborter = asyncio.create_task(self._abort_after(state, self.drain_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if aborter is not None:
+                aborter.cancel()
+
+    @staticmethod
+    async def _abort_after(state, timeout: float) -> None:
+        await asyncio.sleep(timeout)
+        num = state.engine.abort_all("the server is shutting down (--shutdown-timeout passed)")
+        if num:
+            logger.warning("aborted %d request(s) still running after --shutdown-timeout %g s", num, timeout)
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -22,13 +22,14 @@ logger = logging.getLogger(__name__)
 
 # OpenAI's `type` for each status we answer.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 503: "server_error"}
+          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 # Anthropic's `type` for each status (their documented table; 529 is their "overloaded" status).
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                    503: "api_error", 529: "overloaded_error"}
+                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                    415: "invalid_request_error", 429: "rate_limit_error", 500: "api_error", 503: "api_error",
+                    529: "overloaded_error"}
 
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
 

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from kvserve.engine.async_engine import EngineStats, StepReport
 
@@ -38,6 +38,7 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
+        ProcessCollector(registry=r)  # process_resident_memory_bytes etc. of the server process
 
         def hist(name, doc, buckets):
             return Histogram(f"kvserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
@@ -59,6 +60,10 @@ class ServerMetrics:
         self.waiting = gauge("num_requests_waiting", "Sequences waiting in the engine's queue.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (1 = full).")
         self.pinned_blocks = gauge("prefix_cache_pinned_blocks", "KV blocks pinned by prompt caching (cache_control).")
+        self.total_blocks = gauge("kv_cache_total_blocks", "KV-cache blocks in the pool.")
+        self.request_blocks = gauge("kv_cache_request_blocks",
+                                    "KV blocks held by requests (not pins); 0 whenever no request runs.")
+        self.engine_memory = gauge("engine_resident_memory_bytes", "Resident memory of the engine's process.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Preemptions (a running sequence evicted for blocks).")
@@ -90,6 +95,9 @@ class ServerMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.pinned_blocks.set(stats.num_pinned_blocks)
+        self.total_blocks.set(stats.num_kv_blocks_total)
+        self.request_blocks.set(stats.num_kv_request_blocks)
+        self.engine_memory.set(stats.resident_memory_bytes)
         self.preemptions.inc(stats.num_preemptions_total - self._last.num_preemptions_total)
         self.prefix_queries.inc(stats.num_prefix_query_tokens_total - self._last.num_prefix_query_tokens_total)
         self.prefix_hits.inc(stats.num_prefix_hit_tokens_total - self._last.num_prefix_hit_tokens_total)

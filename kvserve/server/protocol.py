@@ -23,7 +23,8 @@ def _none(value: Any) -> bool:
 
 # ---- requests ---------------------------------------------------------------------------------
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # NOTE: JSON has no NaN or Infinity, but Python's parser (and so pydantic's, by default) reads them.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -91,6 +92,11 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def num_prompts(self) -> int:
+        p = self.prompt
+        return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
+
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -135,6 +141,8 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
+    chat_template: str | None = None
+    """vLLM's extra: a Jinja template for this request (only with --trust-request-chat-template)."""
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None

@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from kvserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInternalError, EngineOverloadedError,
+                                         RequestAbortedError, RequestStream, RequestTimeoutError)
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, from_validation_error
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.prompts import Prompt
+from kvserve.server.limits import check_sampling
+from kvserve.server.prompts import Prompt, TextLimit
+
+logger = logging.getLogger("kvserve.server")
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -38,6 +45,21 @@ class ServerState:
     model_names: list[str]
     max_model_len: int
     created: int
+    text_limit: TextLimit
+    body_limit: int
+    """--max-body-size in bytes."""
+    draining: bool = False
+    """Set on SIGTERM: new requests get 503 while in-flight ones finish."""
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer"))
+    """NOTE: one thread: a fast tokenizer must not be entered by two threads at once (its Rust side panics
+    with "Already borrowed"), and it keeps templates and long texts off the event loop."""
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """Run tokenization / chat-template rendering on the tokenizer thread, so the event loop (health
+        checks, streams of other requests) never waits on it."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_thread, functools.partial(fn, *args, **kwargs))
 
     def resolve_model(self, requested: str | None) -> str:
         """The model name to answer with; 404 for a model this server does not serve."""
@@ -48,19 +70,32 @@ class ServerState:
                                 f"{', '.join(self.model_names)}", param="model", code="model_not_found")
         return requested
 
+    def check_request(self, params: SamplingParams, num_prompts: int = 1) -> None:
+        """Per-request limits (limits.py), then: no new work while shutting down."""
+        check_sampling(self.config, params, num_prompts, self.engine.capacity)
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+
     async def open_streams(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
                            prompt_param: str = "prompt",
                            cache_pin: tuple[int, float] | None = None) -> list[RequestStream]:
-        """Queue one engine request per prompt, all or none. Raises APIError (400, 429, 503).
+        """Queue one engine request per prompt, all or none. Raises APIError (400, 429, 500, 503).
 
         cache_pin: (prefix tokens, TTL seconds) pinned in the prefix cache for every prompt."""
+        self.check_request(params, len(prompts))
         engine = self.engine
         if engine.num_inflight_seqs + params.n * len(prompts) > engine.capacity:
             self.metrics.on_rejected("queue_full")
             raise _overloaded(engine)
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        timeout = self.config.request_timeout
+        deadline = asyncio.get_running_loop().time() + timeout if timeout > 0 else None
+        if self.config.log_requests:
+            for rid, p in zip(ids, prompts):
+                logger.info("request %s: prompt %r (token ids %s), params %s", rid, p.text, p.token_ids, params)
         results = await asyncio.gather(
-            *(engine.add_request(rid, p.token_ids, params, p.text, cache_pin) for rid, p in zip(ids, prompts)),
+            *(engine.add_request(rid, p.token_ids, params, p.text, cache_pin, deadline)
+              for rid, p in zip(ids, prompts)),
             return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         errors = [r for r in results if not isinstance(r, RequestStream)]
@@ -72,12 +107,36 @@ class ServerState:
         if isinstance(error, EngineOverloadedError):
             self.metrics.on_rejected("queue_full")
             raise _overloaded(engine)
-        if isinstance(error, EngineDeadError):
-            raise APIError(503, f"the engine is not available: {error}")
         if isinstance(error, ValueError):
             self.metrics.on_rejected("invalid_request")
             raise _engine_rejection(str(error), prompt_param)
+        if isinstance(error, Exception):
+            raise stream_error(error)
         raise error
+
+
+def stream_error(e: Exception) -> APIError:
+    """The HTTP error for an exception raised while a request ran (or while queuing it)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is not available: {e}")
+    if isinstance(e, RequestAbortedError):
+        return APIError(503, str(e), code="shutting_down")
+    if isinstance(e, RequestTimeoutError):
+        return APIError(408, str(e), code="request_timeout")
+    if isinstance(e, EngineInternalError):
+        return APIError(500, f"the request failed in the engine: {e}")
+    logger.error("request failed: %s: %s", type(e).__name__, e)
+    return APIError(500, f"generation failed: {type(e).__name__}")
+
+
+def check_output(out: RequestOutput) -> RequestOutput:
+    """Raises APIError 500 if a sequence of the request failed in the engine (finish_reason "error")."""
+    for o in out.outputs:
+        if o.finish_reason == "error":
+            raise APIError(500, f"the request failed in the engine: {o.error}")
+    return out
 
 
 def _overloaded(engine: AsyncEngine) -> APIError:
@@ -89,7 +148,8 @@ def _overloaded(engine: AsyncEngine) -> APIError:
 def _engine_rejection(message: str, prompt_param: str) -> APIError:
     code = "context_length_exceeded" if "max_model_len" in message else None
     param = ("max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message
-             else "logprobs" if "logprobs" in message else None)
+             else "logprobs" if "logprobs" in message else "logit_bias" if "logit_bias" in message
+             else "stop_token_ids" if "stop_token_ids" in message else None)
     return APIError(400, message, param=param, code=code)
 
 
@@ -98,7 +158,12 @@ def new_id(prefix: str) -> str:
 
 
 async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
-    """The body parsed strictly into `model`: 413 past max_bytes, 400 for bad JSON or wrong types."""
+    """The body parsed strictly into `model`: 415 unless it is declared JSON, 413 past max_bytes, 400 for
+    bad JSON or wrong types."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"the request body must be JSON sent with `Content-Type: application/json`, "
+                            f"got {media_type or 'no content type'}", code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
@@ -117,6 +182,11 @@ async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
 def _too_large(max_bytes: int) -> APIError:
     return APIError(413, f"the request body exceeds the server's limit of {max_bytes} bytes (--max-body-size)",
                     code="request_too_large")
+
+
+async def read_request(state: ServerState, request: Request, model: type[M]) -> M:
+    """read_body with the server's body limit."""
+    return await read_body(request, model, state.body_limit)
 
 
 def sse(payload: BaseModel | dict | str) -> str:
@@ -194,8 +264,10 @@ async def unless_disconnected(request: Request, work: Awaitable[Response],
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
             close_all(streams)()
+            task.cancel()
+            # NOTE: cancel() only asks; the task must run to its end before its state can be read.
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
         return Response(status_code=499)  # NOTE: nginx's "client closed request"; nobody reads it
     return task.result()
@@ -207,16 +279,16 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def error_event(e: Exception) -> str:
-    error = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
-    return sse(error.body())
+    return sse(stream_error(e).body())
 
 
 async def final_output(stream: RequestStream) -> RequestOutput:
-    """Drain one request's stream and return its last (final) output; a stopped engine is a 503."""
+    """Drain one request's stream and return its last (final) output. Raises APIError: 503 (engine
+    stopped, server shutting down), 408 (deadline), 500 (the request failed in the engine)."""
     final = None
     try:
         async for out in stream:
             final = out
-    except EngineDeadError as e:
-        raise APIError(503, f"the engine is not available: {e}") from None
-    return final
+    except Exception as e:
+        raise stream_error(e) from None
+    return check_output(final)

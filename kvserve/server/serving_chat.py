@@ -15,21 +15,26 @@ from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.logprobs import chat_logprobs
-from kvserve.server.prompts import chat_prompt, render_chat
+from kvserve.server.limits import check_messages
+from kvserve.server.prompts import render_chat_prompt, template_kwargs
 from kvserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice, Usage)
-from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, close_all, error_event, final_output, new_id,
-                                    read_body, sse, unless_disconnected)
+from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, check_output, close_all, error_event,
+                                    final_output, new_id, read_request, sse, unless_disconnected)
 
 
 async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
-    request = await read_body(raw_request, ChatCompletionRequest, state.config.max_body_size_bytes)
+    request = await read_request(state, raw_request, ChatCompletionRequest)
     model = state.resolve_model(request.model)
+    check_messages(state.config, len(request.messages))
     params = request.to_sampling_params()
-    text = render_chat(state.tokenizer, request.conversation(), bool(request.add_generation_prompt),
-                       bool(request.continue_final_message), request.chat_template_kwargs)
+    state.check_request(params)
+    kwargs = template_kwargs(request.chat_template_kwargs, request.chat_template,
+                             state.config.trust_request_chat_template)
+    prompt = await state.off_loop(render_chat_prompt, state.tokenizer, request.conversation(), state.text_limit,
+                                  bool(request.add_generation_prompt), bool(request.continue_final_message), kwargs)
     run = _ChatRun(request, model, params)
-    streams = await state.open_streams(run.id, [chat_prompt(state.tokenizer, text)], params, prompt_param="messages")
+    streams = await state.open_streams(run.id, [prompt], params, prompt_param="messages")
     if request.stream:
         return EventStream(run.events(streams[0]), close_all(streams))
     return await unless_disconnected(raw_request, run.respond(streams[0]), streams)
@@ -71,6 +76,7 @@ class _ChatRun:
             done: set[int] = set()
             final = None
             async for out in stream:
+                check_output(out)
                 for o in out.outputs:
                     if o.index in done:
                         continue

@@ -10,22 +10,22 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvserve.engine.async_engine import EngineDeadError, RequestStream
+from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import APIError
 from kvserve.server.logprobs import completion_logprobs
 from kvserve.server.prompts import Prompt, completion_prompts
 from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
-from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, close_all, error_event, merge_streams,
-                                    new_id, read_body, sse, unless_disconnected)
+from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, check_output, close_all, error_event,
+                                    merge_streams, new_id, read_request, sse, stream_error, unless_disconnected)
 
 
 async def create_completion(state: ServerState, raw_request: Request) -> Response:
-    request = await read_body(raw_request, CompletionRequest, state.config.max_body_size_bytes)
+    request = await read_request(state, raw_request, CompletionRequest)
     model = state.resolve_model(request.model)
     params = request.to_sampling_params()
-    prompts = completion_prompts(state.tokenizer, request.prompt)
+    state.check_request(params, request.num_prompts)
+    prompts = await state.off_loop(completion_prompts, state.tokenizer, request.prompt, state.text_limit)
     run = _CompletionRun(state, request, model, prompts, params)
     streams = await state.open_streams(run.id, prompts, params)
     if request.stream:
@@ -62,9 +62,9 @@ class _CompletionRun:
         try:
             async for i, out in merge_streams(streams):
                 if out.finished:
-                    finals[i] = out
-        except EngineDeadError as e:
-            raise APIError(503, f"the engine is not available: {e}") from None
+                    finals[i] = check_output(out)
+        except Exception as e:
+            raise stream_error(e) from None
         choices = []
         for i, out in enumerate(finals):
             for o in out.outputs:
@@ -80,6 +80,7 @@ class _CompletionRun:
         finals: list[RequestOutput] = []
         try:
             async for i, out in merge_streams(streams):
+                check_output(out)
                 for o in out.outputs:
                     index = i * n + o.index
                     if index in done:

@@ -5,41 +5,46 @@
 
 The engine may live in another process, so both go through the AsyncEngine's query messages and are
 answered between two steps. NOTE: explain shows snippets of cached text, which may come from other
-clients' prompts; like every /v1 route these sit behind --api-key.
+clients' prompts: they are served only with --enable-debug-endpoints, and behind --api-key.
 """
 from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from kvserve.engine.async_engine import EngineDeadError
 from kvserve.server.errors import APIError
-from kvserve.server.prompts import chat_prompt, render_chat
+from kvserve.server.limits import check_messages
+from kvserve.server.prompts import completion_prompts, render_chat_prompt
 from kvserve.server.protocol import ChatCompletionRequest, ExplainPrefixRequest
-from kvserve.server.serving import ServerState, read_body
+from kvserve.server.serving import ServerState, read_request, stream_error
 
 
 async def explain_prefix(state: ServerState, raw_request: Request) -> JSONResponse:
-    body = await read_body(raw_request, ExplainPrefixRequest, state.config.max_body_size_bytes)
+    body = await read_request(state, raw_request, ExplainPrefixRequest)
     state.resolve_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of `prompt` and `messages`", param="prompt")
     if body.messages is not None:
+        check_messages(state.config, len(body.messages))
         # NOTE: rendered exactly as /v1/chat/completions renders it, so the ids are the ones a chat request sends.
-        text = render_chat(state.tokenizer, ChatCompletionRequest(messages=body.messages).conversation())
-        prompt: str | list[int] = chat_prompt(state.tokenizer, text).token_ids
+        conversation = ChatCompletionRequest(messages=body.messages).conversation()
+        prompt = await state.off_loop(render_chat_prompt, state.tokenizer, conversation, state.text_limit)
+        token_ids: list[int] = prompt.token_ids
+    elif isinstance(body.prompt, str):
+        (prompt,) = await state.off_loop(completion_prompts, state.tokenizer, body.prompt, state.text_limit)
+        token_ids = prompt.token_ids
     else:
-        prompt = body.prompt
+        token_ids = body.prompt
     try:
-        return JSONResponse(await state.engine.explain_prefix(prompt))
+        return JSONResponse(await state.engine.explain_prefix(token_ids))
     except ValueError as e:
         raise APIError(400, str(e), param="prompt") from None
-    except EngineDeadError as e:
-        raise APIError(503, f"the engine is not available: {e}") from None
+    except Exception as e:
+        raise stream_error(e) from None
 
 
 async def prefix_cache_stats(state: ServerState) -> JSONResponse:
     try:
         return JSONResponse(await state.engine.prefix_cache_stats())
-    except EngineDeadError as e:
-        raise APIError(503, f"the engine is not available: {e}") from None
+    except Exception as e:
+        raise stream_error(e) from None

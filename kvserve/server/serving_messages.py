@@ -19,16 +19,17 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvserve.engine.async_engine import EngineDeadError, RequestStream
+from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.anthropic_protocol import (CacheCreation, CountTokensRequest, CountTokensResponse,
                                                MessageResponse, MessagesRequest, TextContent, Usage)
 from kvserve.server.cache_control import TTL_SECONDS, breakpoint_num_tokens, cache_usage, conversation
 from kvserve.server.errors import APIError
-from kvserve.server.prompts import Prompt, chat_prompt, render_chat
-from kvserve.server.serving import (EventStream, ServerState, close_all, final_output, read_body,
-                                    unless_disconnected)
+from kvserve.server.limits import check_messages
+from kvserve.server.prompts import Prompt, render_chat_prompt
+from kvserve.server.serving import (EventStream, ServerState, check_output, close_all, final_output, read_request,
+                                    stream_error, unless_disconnected)
 
 logger = logging.getLogger("kvserve.server")
 
@@ -37,12 +38,14 @@ _OVERLOADED = 529
 
 
 async def create_message(state: ServerState, raw_request: Request) -> Response:
-    request = await read_body(raw_request, MessagesRequest, state.config.max_body_size_bytes)
+    request = await read_request(state, raw_request, MessagesRequest)
     model = state.resolve_model(request.model)
     request.check_supported()
+    check_messages(state.config, len(request.messages))
     params = request.to_sampling_params()
-    prompt = _render(state, request)
-    num_pin_tokens, ttl = _cache_pin(state, request, prompt)
+    state.check_request(params)
+    prompt = await state.off_loop(_render, state, request)
+    num_pin_tokens, ttl = await state.off_loop(_cache_pin, state, request, prompt)
     run = _MessageRun(model, params, num_pin_tokens, ttl, state.engine.info.block_size)
     try:
         cache_pin = (num_pin_tokens, TTL_SECONDS[ttl]) if num_pin_tokens else None
@@ -57,19 +60,20 @@ async def create_message(state: ServerState, raw_request: Request) -> Response:
 
 
 async def count_tokens(state: ServerState, raw_request: Request) -> Response:
-    request = await read_body(raw_request, CountTokensRequest, state.config.max_body_size_bytes)
+    request = await read_request(state, raw_request, CountTokensRequest)
     state.resolve_model(request.model)
     request.check_supported()
+    check_messages(state.config, len(request.messages))
     request.cache_breakpoints()  # validated like a Messages request, though nothing is pinned
-    body = CountTokensResponse(input_tokens=len(_render(state, request).token_ids))
+    prompt = await state.off_loop(_render, state, request)
+    body = CountTokensResponse(input_tokens=len(prompt.token_ids))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
 def _render(state: ServerState, request: CountTokensRequest) -> Prompt:
     prefill = request.continues_assistant
-    text = render_chat(state.tokenizer, conversation(request.conversation_parts()), add_generation_prompt=not prefill,
-                       continue_final_message=prefill)
-    return chat_prompt(state.tokenizer, text)
+    return render_chat_prompt(state.tokenizer, conversation(request.conversation_parts()), state.text_limit,
+                              add_generation_prompt=not prefill, continue_final_message=prefill)
 
 
 def _cache_pin(state: ServerState, request: CountTokensRequest, prompt: Prompt) -> tuple[int, str]:
@@ -132,6 +136,7 @@ class _MessageRun:
         final = None
         try:
             async for out in stream:
+                check_output(out)
                 if final is None:
                     yield _event("message_start", {"type": "message_start",
                                                    "message": self._message(out, "", False).model_dump()})
@@ -150,7 +155,4 @@ class _MessageRun:
                                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}})
             yield _event("message_stop", {"type": "message_stop"})
         except Exception as e:  # the stream already said 200: report in-band, as Anthropic does
-            error = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
-            if isinstance(e, EngineDeadError):
-                error = APIError(503, f"the engine is not available: {e}")
-            yield _event("error", error.anthropic_body())
+            yield _event("error", stream_error(e).anthropic_body())

@@ -7,18 +7,28 @@ from typing import Any, get_type_hints
 
 
 def add_dataclass_args(cls, parser: argparse.ArgumentParser) -> None:
-    """One `--flag-name` per field of `cls`, with the field's default, type, help and choices (metadata)."""
+    """One `--flag-name` per field of `cls`, with the field's default, type, help and choices (metadata).
+
+    A `tuple[str, ...]` field takes one or more values (`--flag a b`, or the flag repeated)."""
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help")}
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help") or ""
+        # NOTE: argparse's own "%(default)s" would print "None" for unset optional flags; say what it means.
+        shown = "unset" if default is None else default
+        kwargs: dict[str, Any] = {"default": default, "help": f"{help_text} (default: {shown})".replace("%", "%%")}
         if hint is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if hint in (tuple[str, ...], tuple[str, ...] | None):
+            parser.add_argument(flag, nargs="+", action="extend", type=str, **kwargs)
             continue
         base = int if hint in (int, int | None) else float if hint in (float, float | None) else str
         parser.add_argument(flag, type=base, choices=f.metadata.get("choices"), **kwargs)
 
 
 def dataclass_from_args(cls, args: argparse.Namespace):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})

@@ -5,6 +5,7 @@ requests and returns a ModelRunnerOutput, which the scheduler applies in `update
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -15,11 +16,15 @@ from kvserve.sample.metadata import SamplingMetadata, SamplingRow
 from kvserve.sample.sampler import RowLogprobs, Sampler
 from kvserve.scheduler.scheduler import SchedulerOutput
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, RowLogprobs] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    """Request id -> why sampling failed for that request alone (it gets no token)."""
 
 
 class ModelRunner:
@@ -50,12 +55,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices])          # [N, vocab]
         rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
                             s.request.generator, s.request.eos_token_ids) for s in sampling]
-        meta = SamplingMetadata.build(rows, self.vocab_size, logits.device)
-        result = self.sampler(logits, meta)
         ids = [s.request.request_id for s in sampling]
-        return ModelRunnerOutput(
-            dict(zip(ids, result.sampled_token_ids)),
-            {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None})
+        return sample_isolated(self.sampler, logits, rows, ids, self.vocab_size)
 
     def _prepare_inputs(self, out: SchedulerOutput):
         token_ids: list[int] = []
@@ -90,3 +91,33 @@ class ModelRunner:
             seq_lens_cpu=seq_lens)
         return (torch.tensor(token_ids, dtype=torch.long, device=dev), positions.to(dev), common,
                 torch.tensor(logits_indices, dtype=torch.long, device=dev))
+
+
+def sample_isolated(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], ids: list[str],
+                    vocab_size: int) -> ModelRunnerOutput:
+    """Sample the batch in one go; if that raises, sample each row alone so that the rows that raise
+    fail alone (their request ids land in `errors`) and every other row still gets its token.
+
+    NOTE: seeded generators are restored before the retry, so a seeded row's token is the same whether
+    or not a batch mate failed."""
+    states = {i: row.generator.get_state() for i, row in enumerate(rows) if row.generator is not None}
+    try:
+        result = sampler(logits, SamplingMetadata.build(rows, vocab_size, logits.device))
+    except Exception:
+        logger.exception("sampling a batch of %d failed; sampling its rows one by one", len(rows))
+    else:
+        return ModelRunnerOutput(dict(zip(ids, result.sampled_token_ids)),
+                                 {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None})
+    out = ModelRunnerOutput()
+    for i, (row, rid) in enumerate(zip(rows, ids)):
+        if i in states:
+            row.generator.set_state(states[i])
+        try:
+            one = sampler(logits[i:i + 1], SamplingMetadata.build([row], vocab_size, logits.device))
+        except Exception as e:
+            out.errors[rid] = f"sampling failed: {type(e).__name__}: {e}"
+            continue
+        out.sampled_token_ids[rid] = one.sampled_token_ids[0]
+        if one.logprobs[0] is not None:
+            out.logprobs[rid] = one.logprobs[0]
+    return out
