@@ -1,0 +1,25 @@
+"""Every environment variable kvserve reads, one function each.
+
+Each function reads os.environ when called, never at import, so tests can monkeypatch the environment and a
+long-lived process sees the value of the moment. An empty value counts as unset.
+"""
+from __future__ import annotations
+
+import os
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def cache_dir() -> str:
+    """Root of kvserve's on-disk caches (compiled kernels live under `kernels/`).
+
+    `KVSERVE_CACHE_DIR` if set; else `$XDG_CACHE_HOME/kvserve`; else `~/.cache/kvserve`.
+    """
+    explicit = _get("KVSERVE_CACHE_DIR")
+    if explicit is not None:
+        return os.path.abspath(os.path.expanduser(explicit))
+    xdg = _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.path.abspath(xdg), "kvserve")
