@@ -1,9 +1,30 @@
-"""Every environment variable kvserve reads, each read when its function is called (never at import)."""
+"""Every environment variable kvserve reads, one function each.
+
+Each function reads os.environ when called, never at import, so tests can monkeypatch the environment and a
+long-lived process sees the value of the moment. An empty value counts as unset.
+"""
 from __future__ import annotations
 
 import os
 
 
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def cache_dir() -> str:
+    """Root of kvserve's on-disk caches (compiled kernels live under `kernels/`).
+
+    `KVSERVE_CACHE_DIR` if set; else `$XDG_CACHE_HOME/kvserve`; else `~/.cache/kvserve`.
+    """
+    explicit = _get("KVSERVE_CACHE_DIR")
+    if explicit is not None:
+        return os.path.abspath(os.path.expanduser(explicit))
+    xdg = _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.path.abspath(xdg), "kvserve")
+
+
 def api_keys() -> tuple[str, ...]:
-    """KVSERVE_API_KEY: API keys the server accepts when --api-key is not given (comma-separated)."""
-    return tuple(k.strip() for k in os.environ.get("KVSERVE_API_KEY", "").split(",") if k.strip())
+    """KVSERVE_API_KEY: the API keys the server accepts when --api-key is not given (comma-separated)."""
+    return tuple(k.strip() for k in (_get("KVSERVE_API_KEY") or "").split(",") if k.strip())
