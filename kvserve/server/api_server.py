@@ -29,7 +29,8 @@ from kvserve.server.limits import check_messages
 from kvserve.server.openapi import request_body_schema
 from kvserve.server.prompts import TextLimit, render_chat_prompt
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                     ExplainPrefixRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+                                     ExplainPrefixRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                     conversation_of)
 from kvserve.server.serving import ServerState, read_request
 from kvserve.server.serving_chat import create_chat_completion
 from kvserve.server.serving_completions import create_completion
@@ -167,9 +168,8 @@ def _add_routes(app: FastAPI, auth: list, metrics_auth: list) -> None:
             raise APIError(400, "send exactly one of `prompt` and `messages`", param="prompt")
         if body.messages is not None:
             check_messages(s.config, len(body.messages))
-            chat = ChatCompletionRequest(messages=body.messages)
-            prompt = await s.off_loop(render_chat_prompt, s.tokenizer, chat.conversation(), s.text_limit,
-                                      bool(body.add_generation_prompt))
+            prompt = await s.off_loop(render_chat_prompt, s.tokenizer, conversation_of(body.messages),
+                                      s.text_limit, bool(body.add_generation_prompt))
             ids = prompt.token_ids
         else:
             s.text_limit.check(body.prompt, "prompt")

@@ -160,9 +160,15 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def conversation(self) -> list[dict[str, str]]:
-        # NOTE: chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return conversation_of(self.messages)
+
+
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Chat-template input for OpenAI messages. Raises APIError 400 for no messages."""
+    if not messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    # NOTE: chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
 class TokenizeRequest(_Request):

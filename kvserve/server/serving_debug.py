@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from kvserve.server.errors import APIError
 from kvserve.server.limits import check_messages
 from kvserve.server.prompts import completion_prompts, render_chat_prompt
-from kvserve.server.protocol import ChatCompletionRequest, ExplainPrefixRequest
+from kvserve.server.protocol import ExplainPrefixRequest, conversation_of
 from kvserve.server.serving import ServerState, read_request, stream_error
 
 
@@ -27,7 +27,7 @@ async def explain_prefix(state: ServerState, raw_request: Request) -> JSONRespon
     if body.messages is not None:
         check_messages(state.config, len(body.messages))
         # NOTE: rendered exactly as /v1/chat/completions renders it, so the ids are the ones a chat request sends.
-        conversation = ChatCompletionRequest(messages=body.messages).conversation()
+        conversation = conversation_of(body.messages)
         prompt = await state.off_loop(render_chat_prompt, state.tokenizer, conversation, state.text_limit)
         token_ids: list[int] = prompt.token_ids
     elif isinstance(body.prompt, str):
