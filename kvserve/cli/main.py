@@ -17,6 +17,7 @@ _BENCH = {
     "serve": ("kvserve.bench.serve", "replay a workload against an OpenAI-compatible server"),
     "prefix": ("kvserve.bench.prefix", "a shared-prefix workload offline, prefix caching on vs off, same run"),
     "steps": ("kvserve.bench.steps", "time each engine step of a workload, by kind of step (where time goes)"),
+    "soak": ("kvserve.bench.soak", "a fault soak: random, partly hostile traffic for M minutes, then leak checks"),
     "compare": ("kvserve.bench.compare", "kvserve vs vLLM CPU, OpenVINO GenAI, llama.cpp, transformers, same run"),
 }
 
