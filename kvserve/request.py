@@ -5,8 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from kvserve.outputs import RequestMetrics
 from kvserve.sampling_params import SamplingParams
 
 
@@ -30,17 +29,6 @@ class RequestStatus(enum.Enum):
                 RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
-@dataclass
-class RequestTimings:
-    """Wall-clock instants (time.monotonic) of one request's life, for metrics and outputs."""
-
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
-
-
 @dataclass(eq=False)  # identity semantics: two requests are never "equal" by their fields
 class Request:
     """One sequence being generated.
@@ -58,13 +46,14 @@ class Request:
     """sampling_params.max_tokens resolved against max_model_len."""
     cache_salt: str | None = None
     """Part of the prefix-cache key: only requests with the same salt share KV blocks."""
-    generator: torch.Generator | None = None
     cache_pin: tuple[int, float] | None = None
     """(prefix tokens, TTL seconds): pin the KV of this many leading tokens once computed (prompt caching)."""
     num_pinned_tokens: int | None = None
     """Set once the pin was applied: tokens actually pinned (full blocks, within the pin bound)."""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens to verify in the next step (speculative decoding); not tokens of the request yet."""
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache at first admission."""
@@ -72,7 +61,7 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     """Why the request failed (status FINISHED_ERROR)."""
-    timings: RequestTimings = field(default_factory=lambda: RequestTimings(time.monotonic()))
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,6 +74,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,11 +1,23 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (vLLM-shaped)."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
 # Below this temperature a request is treated as greedy (vLLM uses the same cut-off).
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0
+    """Everything so far: the whole text, token ids and logprobs, in every output."""
+    DELTA = 1
+    """Only what is new since the previous output (streaming)."""
+    FINAL_ONLY = 2
+    """One output, when the request finishes, with everything."""
 
 
 @dataclass
@@ -45,6 +57,8 @@ class SamplingParams:
     """Return the sampled token's logprob plus this many top alternatives (0: only the sampled one)."""
     skip_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What each output carries: everything so far, only what is new, or only the final output."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +111,8 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, max_tokens={self.max_tokens}")
         integer("logprobs", 0, optional=True)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "a RequestOutputKind", self.output_kind)
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, "true or false", getattr(self, flag))

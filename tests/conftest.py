@@ -11,6 +11,8 @@ import pytest
 import torch
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# Golden and equivalence tests run on each CPU attention backend: the reference and the C++ kernel one.
+ATTENTION_BACKENDS = ("cpu_paged", "torch_ref")
 
 
 def pytest_addoption(parser):

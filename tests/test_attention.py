@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_decode
-from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.attention.cpu_paged import CPUPagedBackend
+from kvserve.attention.torch_ref import TorchRefBackend
 
 
 def _dense_decode(q, ks, vs, scale):
@@ -33,7 +34,7 @@ def _kernel_or_skip():
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_paged_decode_matches_dense(block_size, num_heads, num_kv_heads, use_kernel):
-    backend = TorchSDPABackend(_kernel_or_skip() if use_kernel else None)
+    backend = CPUPagedBackend(_kernel_or_skip()) if use_kernel else TorchRefBackend()
     g = torch.Generator().manual_seed(block_size + num_heads)
     head_dim, num_blocks = 64, 40
     seq_lens = [1, 17, block_size, 3 * block_size + 5, 100]
@@ -64,10 +65,11 @@ def test_paged_decode_matches_dense(block_size, num_heads, num_kv_heads, use_ker
 
 
 @pytest.mark.parametrize("ctx, q_len", [(30, 20), (0, 300), (100, 300), (0, 128), (7, 129)])
-def test_prefill_chunk_matches_dense(ctx, q_len):
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_prefill_chunk_matches_dense(ctx, q_len, use_kernel):
     """Chunks are split into query tiles that each see keys up to their own end; any split must equal
     one dense causal attention."""
-    backend = TorchSDPABackend()
+    backend = CPUPagedBackend(_kernel_or_skip()) if use_kernel else TorchRefBackend()
     g = torch.Generator().manual_seed(ctx + q_len)
     bs, hkv, hq, d = 16, 2, 4, 32
     n = ctx + q_len

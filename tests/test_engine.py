@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import check_engine_invariants, run_to_completion
+from conftest import ATTENTION_BACKENDS, check_engine_invariants, run_to_completion
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
@@ -172,14 +172,15 @@ def test_abort_frees_blocks_in_the_same_step(engine):
     assert done["b"].outputs[0].finish_reason == "length"
 
 
-def test_prefix_caching_on_and_off_give_identical_greedy_outputs(tiny_llama):
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_prefix_caching_on_and_off_give_identical_greedy_outputs(tiny_llama, backend):
     path, _ = tiny_llama
     shared = list(range(300, 340))
     prompts = [shared + [i, i + 1] for i in range(6)] + [shared[:17], [9] + shared]
     results = []
     for on in (True, False):
         engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=24, enable_prefix_caching=on,
-                                   max_num_batched_tokens=48))
+                                   max_num_batched_tokens=48, attention_backend=backend))
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, _greedy(max_tokens=10))
         done = run_to_completion(engine)

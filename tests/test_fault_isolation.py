@@ -98,7 +98,7 @@ def test_forward_pass_fault_is_not_swallowed(engine, monkeypatch):
         raise RuntimeError("injected forward fault")
 
     engine.add_request("f", [1, 2, 3], _greedy())
-    monkeypatch.setattr(engine.runner.model, "forward", broken)
+    monkeypatch.setattr(engine.core.executor.worker.model, "forward", broken)
     with pytest.raises(RuntimeError, match="injected forward fault"):
         engine.step()
     monkeypatch.undo()
@@ -126,7 +126,9 @@ def test_bad_request_does_not_poison_an_offline_llm(tiny_llama):
 def test_engine_loop_death_fails_streams_and_calls_the_dead_listener(tiny_llama, monkeypatch):
     from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 
-    real_step = Engine.step
+    from kvserve.engine.core import EngineCore
+
+    real_step = EngineCore.step
     calls = {"n": 0}
 
     def dying_step(self):
@@ -135,7 +137,7 @@ def test_engine_loop_death_fails_streams_and_calls_the_dead_listener(tiny_llama,
             raise RuntimeError("injected engine loop fault")
         return real_step(self)
 
-    monkeypatch.setattr(Engine, "step", dying_step)
+    monkeypatch.setattr(EngineCore, "step", dying_step)
 
     async def main():
         engine = AsyncEngine(EngineArgs(model=tiny_llama[0], kv_cache_memory="16MiB"))

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import make_tiny_checkpoint, run_to_completion
+from conftest import ATTENTION_BACKENDS, make_tiny_checkpoint, run_to_completion
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
@@ -36,14 +36,15 @@ def _run_engine(engine: Engine, reqs, logprobs: int | None = None):
     return run_to_completion(engine)
 
 
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tiny_golden_with_chunking_and_preemption(tmp_path, arch):
+def test_tiny_golden_with_chunking_and_preemption(tmp_path, arch, backend):
     hf = make_tiny_checkpoint(str(tmp_path), arch)
     reqs = _requests(seed=1, num=18, vocab=49152, max_prompt=600, max_out=40)
     # 60 blocks x 16 = 960 tokens for ~5,000 tokens of demand: preemption is certain; 128-token budget
     # chunks every prompt over 128.
     engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=60, max_num_batched_tokens=128,
-                               max_num_seqs=16))
+                               max_num_seqs=16, attention_backend=backend))
     finished = _run_engine(engine, reqs)
     assert engine.scheduler.stats.num_preemptions > 0
     for i, (prompt, max_tokens) in enumerate(reqs):
@@ -53,18 +54,19 @@ def test_tiny_golden_with_chunking_and_preemption(tmp_path, arch):
         assert got.finish_reason == "length"
 
 
-def test_batch_equals_singles_and_chunk_sizes(tiny_llama):
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_batch_equals_singles_and_chunk_sizes(tiny_llama, backend):
     """Equivalence: one batch vs each request alone, across prefill chunk sizes {1, 3, 16, full}."""
     path, _ = tiny_llama
     reqs = _requests(seed=2, num=6, vocab=49152, max_prompt=70, max_out=12)
     results = []
     for budget in (1, 3, 16, 4096):
         engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=128, max_num_batched_tokens=budget,
-                                   enable_prefix_caching=False))
+                                   enable_prefix_caching=False, attention_backend=backend))
         out = _run_engine(engine, reqs)
         results.append([out[str(i)].outputs[0].token_ids for i in range(len(reqs))])
     alone = []
-    engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=128))
+    engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=128, attention_backend=backend))
     for i, r in enumerate(reqs):
         out = _run_engine(engine, [r])
         alone.append(out["0"].outputs[0].token_ids)

@@ -11,12 +11,12 @@ import os
 import pytest
 import torch
 
-from conftest import TINY_ARCHS, make_tiny_checkpoint
+from conftest import ATTENTION_BACKENDS, TINY_ARCHS, make_tiny_checkpoint
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 def paged_logits(engine: Engine, batch: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
@@ -49,17 +49,34 @@ def paged_logits(engine: Engine, batch: list[tuple[list[int], int, int]]) -> lis
         start += q
     for r, _, _ in reqs:
         kv.free(r)
+    engine.core.executor.worker.runner.update_states(SchedulerOutput(
+        [], CachedRequestData(), {}, 0, finished_req_ids={r.request_id for r, _, _ in reqs}))
     return out
 
 
 @torch.inference_mode()
 def _forward(engine: Engine, entries) -> torch.Tensor:
+    """One forward pass over (request, tokens to compute) entries, through the worker's own input path;
+    the logits of every computed token."""
     kv = engine.scheduler.kv
-    sched = [ScheduledRequest(r, n, kv.block_ids(r.request_id), False) for r, n in entries]
-    out = SchedulerOutput(sched, sum(n for _, n in entries))
-    runner = engine.runner
-    input_ids, positions, common, _ = runner._prepare_inputs(out)
-    hidden = runner.model(input_ids, positions, runner.kv_caches, runner.backend.build_metadata(common))
+    runner = engine.core.executor.worker.runner
+    new, cached = [], CachedRequestData()
+    for r, _ in entries:
+        block_ids = kv.block_ids(r.request_id)
+        known = runner.requests.get(r.request_id)
+        if known is None:
+            new.append(NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params, (), block_ids,
+                                      r.num_computed_tokens))
+        else:
+            cached.req_ids.append(r.request_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append(block_ids[len(known.block_ids):])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+    out = SchedulerOutput(new, cached, {r.request_id: n for r, n in entries}, sum(n for _, n in entries))
+    runner.update_states(out)
+    inputs = runner.prepare_inputs(out)
+    hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches,
+                          runner.backend.build_metadata(inputs.attn))
     return runner.model.compute_logits(hidden)
 
 
@@ -84,11 +101,12 @@ def _mixed_batch(seed: int, vocab: int = 49152):
     ]
 
 
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 @pytest.mark.parametrize("tie", [False, True])
-def test_tiny_checkpoint_logits_match_transformers(tmp_path, arch, tie):
+def test_tiny_checkpoint_logits_match_transformers(tmp_path, arch, tie, backend):
     hf = make_tiny_checkpoint(str(tmp_path), arch, tie=tie)
-    engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64))
+    engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64, attention_backend=backend))
     batch = _mixed_batch(seed=hash((arch, tie)) % 1000)
     ours = paged_logits(engine, batch)
     for (tokens, ctx, q), got in zip(batch, ours):

@@ -134,7 +134,7 @@ def test_lpm_admits_longest_cached_prefix_first_with_a_bound(policy):
     waiting = deque()
     for i, n in enumerate([0, 8, 32, 16]):
         req = Request(f"r{i}", list(range(n)) + [900 + i] * 5, SamplingParams(max_tokens=1))
-        req.timings.arrival = float(i)
+        req.metrics.arrival_time = float(i)
         waiting.append(req)
     order = WaitingOrder(policy, kv)
     order.reorder(waiting)

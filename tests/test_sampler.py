@@ -248,8 +248,14 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
 
 
 def test_out_of_vocab_bias_is_rejected():
+    """Token ids are checked once, at admission (Processor.validate); past it the sampler trusts them."""
+    from kvserve.engine.core import EngineInfo
+    from kvserve.engine.processor import Processor
+
+    info = EngineInfo("m", max_model_len=64, vocab_size=16, max_num_seqs=4, num_kv_blocks=16, block_size=16,
+                      max_logprobs=5, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="logit_bias"):
-        SamplingMetadata.build(_rows(SamplingParams(logit_bias={99: 1.0}), 1), 16, CPU)
+        Processor(None, info, ()).validate([1, 2], SamplingParams(logit_bias={99: 1.0}))
 
 
 # ---------------------------------------------------------------- seeds

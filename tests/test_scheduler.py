@@ -3,14 +3,41 @@ finishes run; invariants and budgets are asserted after every step."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 
+from kvserve.config.scheduler import SchedulerConfig
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.worker.runner_output import ModelRunnerOutput
+
+
+@dataclass
+class _Entry:
+    """One request of a step, as the scheduler decided it (read before update())."""
+
+    request: Request
+    num_tokens: int
+    block_ids: list[int]
+    samples: bool
+
+
+@dataclass
+class _Step:
+    scheduled: list[_Entry]
+    total_num_scheduled_tokens: int
+
+
+def _entries(sched: Scheduler, out) -> list[_Entry]:
+    entries = []
+    for rid, n in out.num_scheduled_tokens.items():
+        req = sched.requests[rid]
+        entries.append(_Entry(req, n, sched.kv.block_ids(rid), req.num_computed_tokens + n == req.num_tokens))
+    return entries
 
 
 def _scheduler(num_blocks=32, block_size=4, max_seqs=8, budget=24, prefix=True, chunked=True, long_prefill=0):
@@ -18,23 +45,28 @@ def _scheduler(num_blocks=32, block_size=4, max_seqs=8, budget=24, prefix=True, 
     return Scheduler(SchedulerConfig(max_seqs, budget, 4096, chunked, long_prefill_token_threshold=long_prefill), kv)
 
 
-def _fake_tokens(out):
+def _fake_tokens(step: _Step) -> ModelRunnerOutput:
     # deterministic "model": next token = (position * 7) % 1000 + 3
-    return {s.request.request_id: (s.request.num_tokens * 7) % 1000 + 3 for s in out.scheduled if s.samples}
+    sampling = [s for s in step.scheduled if s.samples]
+    return ModelRunnerOutput([s.request.request_id for s in sampling],
+                             [[(s.request.num_tokens * 7) % 1000 + 3] for s in sampling])
 
 
 def _step(sched: Scheduler):
     out = sched.schedule()
+    step = _Step(_entries(sched, out), out.total_num_scheduled_tokens)
     cfg = sched.config
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(sched.running) <= cfg.max_num_seqs
-    ones = [s.num_tokens == 1 for s in out.scheduled]
+    ones = [s.num_tokens == 1 for s in step.scheduled]
     assert ones == sorted(ones, reverse=True), "decodes must come first"
-    for s in out.scheduled:
+    for s in step.scheduled:
         assert len(s.block_ids) * sched.kv.block_size >= s.request.num_computed_tokens + s.num_tokens
-    advanced = sched.update(out, _fake_tokens(out))
+    by_id = {s.request.request_id: s.request for s in step.scheduled}
+    outputs = sched.update(out, _fake_tokens(step))
+    advanced = [by_id[o.request_id] for o in outputs if o.new_token_ids]
     sched.check_invariants()
-    return out, advanced
+    return step, advanced
 
 
 @pytest.mark.parametrize("seed", range(6))

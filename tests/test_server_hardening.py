@@ -176,7 +176,8 @@ def test_body_without_json_content_type_is_415(server, http):
 
 
 def test_anthropic_ranges_and_thinking(http):
-    base = {"model": http.get("/v1/models").json()["data"][0]["id"], "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    base = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     for extra, needle in (({"temperature": 1.5}, "temperature"), ({"top_k": -1}, "top_k"),
                           ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking")):
         r = http.post("/v1/messages", json={**base, **extra})
@@ -214,7 +215,8 @@ def test_each_limit_is_a_400_naming_its_flag(http, path, body, param, flag):
 
 
 def test_anthropic_limits_answer_in_anthropic_shape(http):
-    body = {"model": http.get("/v1/models").json()["data"][0]["id"], "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}] * 4}
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}] * 4}
     r = http.post("/v1/messages", json=body)
     assert r.status_code == 400 and r.json()["type"] == "error" and "--max-messages" in r.json()["error"]["message"]
 

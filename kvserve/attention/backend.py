@@ -2,7 +2,8 @@
 
 The model runner builds one `CommonAttentionMetadata` per step (backend-independent, from the scheduler's
 block tables); a backend turns it into its own metadata once, and every attention layer of the step reuses
-it. The CPU backend lives in `torch_sdpa.py`; a GPU kernel backend plugs in behind the same protocol.
+it. Backends (attention/registry.py): `torch_ref` (PyTorch only, the oracle) and `cpu_paged` (the C++
+decode kernel); a GPU kernel backend plugs in behind the same protocol.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_decode
-from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.attention.torch_ref import TorchRefBackend, _decode
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -38,10 +38,9 @@ def decode(batch: int, ctx: int) -> str:
         query_start_loc=torch.arange(batch + 1), seq_lens=seq_lens, block_table=table,
         slot_mapping=torch.zeros(batch, dtype=torch.long), num_decodes=batch, num_decode_tokens=batch,
         block_size=BS, query_lens_cpu=[1] * batch, seq_lens_cpu=[ctx] * batch)
-    torch_path = TorchSDPABackend(None)
-    meta = torch_path.build_metadata(common)
+    meta = TorchRefBackend().build_metadata(common)
     flat = kv.view(-1, 2, HKV, D)
-    line = f"decode  B={batch:3d} L={ctx:5d}: PyTorch gather+SDPA {_time(lambda: torch_path._decode(q, flat, meta, 0.125)):7.2f} ms"
+    line = f"decode  B={batch:3d} L={ctx:5d}: PyTorch gather+SDPA {_time(lambda: _decode(q, flat, meta, 0.125)):7.2f} ms"
     kernel = load_paged_decode()
     if kernel is not None:
         ms = _time(lambda: kernel.paged_decode_attention(q, kv, table, seq_lens, 0.125))

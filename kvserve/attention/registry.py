@@ -1,20 +1,29 @@
 """Attention backends by name (`--attention-backend`)."""
 from __future__ import annotations
 
-from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.attention.backend import AttentionBackend
 
-BACKENDS = ("auto", "torch_sdpa", "cpu_paged")
+BACKENDS = ("auto", "cpu_paged", "torch_ref")
+_ALIASES = {"torch_sdpa": "torch_ref"}  # the reference backend's name before the two were split
 
 
-def make_backend(name: str, device_type: str) -> TorchSDPABackend:
-    """auto: the C++ paged decode kernel on CPU when it builds, else PyTorch SDPA with gathered contexts."""
+def make_backend(name: str, device_type: str) -> AttentionBackend:
+    """auto: cpu_paged on CPU when its kernel builds, else torch_ref (the only backend off the CPU today)."""
+    name = _ALIASES.get(name, name)
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    if name == "torch_sdpa" or device_type != "cpu":
-        return TorchSDPABackend()
+    from kvserve.attention.torch_ref import TorchRefBackend
+
+    if name == "torch_ref" or device_type != "cpu":
+        if name == "cpu_paged":
+            raise ValueError("attention backend cpu_paged runs on the CPU only")
+        return TorchRefBackend()
     from kvserve.attention.cpu_kernels import load_paged_decode
+    from kvserve.attention.cpu_paged import CPUPagedBackend
 
     kernel = load_paged_decode()
-    if kernel is None and name == "cpu_paged":
-        raise ValueError("attention backend cpu_paged needs a C++ compiler and ninja to build its kernel")
-    return TorchSDPABackend(kernel)
+    if kernel is None:
+        if name == "cpu_paged":
+            raise ValueError("attention backend cpu_paged needs a C++ compiler and ninja to build its kernel")
+        return TorchRefBackend()
+    return CPUPagedBackend(kernel)

@@ -35,14 +35,21 @@ def workload_flops(cfg, requests: list[WorkloadRequest]) -> float:
 def measure_matmul_rate(cfg, num_tokens: int = 512, reps: int = 20) -> float:
     """GFLOP/s of one decoder layer's four projections at num_tokens rows, with the faster of F.linear
     and oneDNN-prepacked weights (what kvserve uses on CPU)."""
-    from kvserve.models.cpu_linear import PackedLinear, onednn_available
+    from kvserve.layers.linear import ReplicatedLinear
+    from kvserve.layers.linear_methods import DenseMethod, OneDNNPackedMethod
 
     shapes = _layer_shapes(cfg)
     xs = [torch.randn(num_tokens, i) for _, i in shapes]
-    weights = [torch.randn(o, i) for o, i in shapes]
-    candidates = [[lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]]
-    if onednn_available():
-        candidates.append([PackedLinear(w, None) for w in weights])
+    methods = [DenseMethod()] + ([OneDNNPackedMethod()] if OneDNNPackedMethod.available() else [])
+    candidates = []
+    for method in methods:
+        layers = []
+        for o, i in shapes:
+            layer = ReplicatedLinear(i, o, False, method)
+            layer.weight.data.normal_()
+            layer.process_weights_after_loading()
+            layers.append(layer)
+        candidates.append(layers)
     flops = sum(2 * num_tokens * o * i for o, i in shapes)
     best = 0.0
     with torch.inference_mode():

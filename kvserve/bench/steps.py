@@ -33,22 +33,39 @@ def bucket(num_tokens: int, num_decodes: int) -> str:
     return _BUCKETS[2] if num_decodes >= 32 else _BUCKETS[3] if num_decodes >= 8 else _BUCKETS[4]
 
 
-def profile(engine, requests) -> dict[str, list[float]]:
-    """{bucket: [steps, seconds, tokens]} for the whole workload."""
+def profile(engine, requests, phases: dict[str, float] | None = None) -> dict[str, list[float]]:
+    """{bucket: [steps, seconds, tokens]} for the whole workload; `phases` (if given) receives the seconds
+    of each part of a step: the scheduler (schedule + update), the worker outside the forward pass
+    (inputs, sampling), the forward pass with the LM head, and the front end (outputs)."""
     from kvserve.sampling_params import SamplingParams
 
     for i, r in enumerate(requests):
         engine.add_request(f"steps-{i}", r.prompt_token_ids, SamplingParams(
             temperature=0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos, detokenize=False))
+    core, runner = engine.core, engine.core.executor.worker.runner
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
-    while engine.scheduler.num_unfinished:
-        start = time.perf_counter()
-        out = engine.scheduler.schedule()
-        sampled = engine.runner.execute(out).sampled_token_ids
-        engine.scheduler.update(out, sampled)
-        row = totals[bucket(out.total_num_scheduled_tokens, sum(s.num_tokens == 1 for s in out.scheduled))]
+    phases = {} if phases is None else phases
+    phases.update(dict.fromkeys(("scheduler", "worker outside forward", "forward", "front end"), 0.0))
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        out = core.scheduler.schedule()
+        t1 = time.perf_counter()
+        forward_before = runner.forward_s
+        runner_out = core.executor.execute_model(out)
+        t2 = time.perf_counter()
+        outputs = core.scheduler.update(out, runner_out)
+        t3 = time.perf_counter()
+        engine.output_processor.process(outputs)
+        t4 = time.perf_counter()
+        forward = runner.forward_s - forward_before
+        phases["scheduler"] += (t1 - t0) + (t3 - t2)
+        phases["worker outside forward"] += (t2 - t1) - forward
+        phases["forward"] += forward
+        phases["front end"] += t4 - t3
+        num_decodes = sum(n == 1 for n in out.num_scheduled_tokens.values())
+        row = totals[bucket(out.total_num_scheduled_tokens, num_decodes)]
         row[0] += 1
-        row[1] += time.perf_counter() - start
+        row[1] += t4 - t0
         row[2] += out.total_num_scheduled_tokens
     return dict(totals)
 
@@ -59,10 +76,12 @@ def run(args: argparse.Namespace) -> int:
     requests = load_workload(args.workload, args.num_requests)
     engine = Engine(EngineArgs.from_cli(args))
     Engine.freeze_gc()
-    totals = profile(engine, requests)
+    phases: dict[str, float] = {}
+    totals = profile(engine, requests, phases)
     wall = sum(t[1] for t in totals.values())
-    print(f"{args.workload}: {len(requests)} requests, {sum(int(t[0]) for t in totals.values())} steps, "
-          f"{wall:.1f} s in steps")
+    num_steps = sum(int(t[0]) for t in totals.values())
+    print(f"{args.workload}: {len(requests)} requests, {num_steps} steps, {wall:.1f} s in steps")
+    print("per step: " + ", ".join(f"{name} {1000 * secs / num_steps:.2f} ms" for name, secs in phases.items()))
     print(f"{'bucket':<15}{'steps':>7}{'seconds':>9}{'share':>7}{'tokens':>9}{'ms/step':>9}{'tok/s':>8}")
     for name in _BUCKETS:
         if name in totals:

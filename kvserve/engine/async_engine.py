@@ -1,11 +1,15 @@
-"""AsyncEngine: the Engine stepping continuously in the background, driven from asyncio.
+"""AsyncEngine: an EngineCore stepping continuously in the background, driven from asyncio.
 
-    handlers --add / abort--> inbox --> EngineLoop (owns the Engine) --StepReport--> per-request streams
-    handlers --query--------> inbox --> EngineLoop --_QueryResult--> the awaiting handler (debug endpoints)
+    handlers --add / abort--> Processor --> inbox --> EngineLoop (owns the EngineCore)
+                                                         | _CoreStep (per-step deltas, stats)
+    per-request streams <-- OutputProcessor (text, stop strings) <--+
+    handlers --query--> inbox --> EngineLoop --_QueryResult--> the awaiting handler (debug endpoints)
 
-The Engine is not thread-safe, so exactly one EngineLoop owns it and makes every engine call. The loop
-blocks on its inbox while the engine is idle (no spinning) and, while busy, applies whatever arrived
-between two steps, so an abort frees its KV blocks before the next step runs.
+The front end (this object: tokenizer, validation, detokenization, stop strings) lives on the event loop;
+the core (scheduler + worker) in the EngineLoop, which makes every core call: the core is not thread-safe.
+The loop blocks on its inbox while idle (no spinning) and, while busy, applies whatever arrived between
+two steps, so an abort frees its KV blocks before the next step runs. What crosses from the loop is only
+each step's deltas (new token ids and logprobs), so the bytes per step do not grow with output length.
 
 The loop runs on a thread of this process or, with `use_process=True` (what `kvserve serve` does by
 default), in a spawned child process; both run the same EngineLoop on the same messages, only the
@@ -14,7 +18,6 @@ transport differs. docs/SERVER.md records the measurement behind the server's ch
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import itertools
 import logging
@@ -28,9 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.config import EngineArgs
-from kvserve.engine.engine import Engine
+from kvserve.engine.core import EngineCore, EngineInfo
+from kvserve.engine.core_types import EngineCoreOutput, EngineCoreRequest
+from kvserve.engine.output_processor import IterationStats, OutputProcessor
+from kvserve.engine.processor import Processor, eos_token_ids
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.utils.memory import resident_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -54,17 +60,6 @@ class RequestTimeoutError(RuntimeError):
 
 class EngineInternalError(RuntimeError):
     """The engine failed on this request alone (not the client's fault); the engine runs on."""
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the server needs to know about the engine, read once at start-up."""
-
-    model_name: str
-    max_model_len: int
-    max_num_seqs: int
-    num_kv_blocks: int
-    block_size: int
 
 
 @dataclass(frozen=True)
@@ -92,38 +87,35 @@ class EngineStats:
 
 @dataclass
 class StepReport:
-    """Everything one step produced: the changed requests' outputs and the stats after it."""
+    """Everything one step produced: the changed requests' outputs, what the step did (its tokens and
+    latencies, whatever the outputs' kinds) and the engine's stats after it."""
 
     outputs: list[RequestOutput]
     stats: EngineStats
+    iteration: IterationStats
 
 
 # ---- messages between the asyncio side and the loop (all picklable, for the process transport) ----
 @dataclass(frozen=True)
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt_text: str | None
-    arrival_time: float
-    cache_pin: tuple[int, float] | None = None  # (prefix tokens, TTL seconds): see Engine.add_request
+    requests: list[EngineCoreRequest]  # the samples of one user request, validated by the front end
 
 
 @dataclass(frozen=True)
 class _Abort:
-    request_id: str
+    request_ids: list[str]
 
 
 @dataclass(frozen=True)
 class _Query:
-    """A read-only question for the Engine, answered between steps (the debug endpoints)."""
+    """A read-only question for the core, answered between steps (the debug endpoints)."""
 
     query_id: int
     method: str  # one of _QUERY_METHODS
     args: tuple = ()
 
 
-# NOTE: an allow-list, so a message can never make the loop call an engine method that changes state.
+# NOTE: an allow-list, so a message can never make the loop call a core method that changes state.
 _QUERY_METHODS = ("explain_prefix", "prefix_cache_stats")
 
 
@@ -131,22 +123,20 @@ _QUERY_METHODS = ("explain_prefix", "prefix_cache_stats")
 class _QueryResult:
     query_id: int
     result: object
-    error: str | None  # the engine's ValueError message; None on success
+    error: str | None  # the core's ValueError message; None on success
     internal: bool = False
 
 
 @dataclass(frozen=True)
-class _AddResult:
-    request_id: str
-    error: str | None  # the engine's ValueError message; None when queued
-    internal: bool = False  # the error is the engine's fault, not the request's
+class _CoreStep:
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
 
 
 @dataclass(frozen=True)
 class _Ready:
     info: EngineInfo | None
     error: str | None
-    tokenizer: object = None  # a copy for the asyncio side: the engine's own is used on the loop's thread
 
 
 @dataclass(frozen=True)
@@ -158,98 +148,95 @@ _SHUTDOWN = "shutdown"
 
 
 class EngineLoop:
-    """Owns an Engine: applies add/abort commands between steps and steps while there is work.
+    """Owns an EngineCore: applies add/abort/query commands between steps and steps while there is work.
 
     `recv(block)` returns the commands that arrived (waiting for at least one when `block`);
     `emit(message)` hands a message to the asyncio side. Both are the transport's.
     """
 
-    def __init__(self, engine: Engine, recv: Callable[[bool], list], emit: Callable[[object], None]):
-        self.engine = engine
+    def __init__(self, core: EngineCore, recv: Callable[[bool], list], emit: Callable[[object], None]):
+        self.core = core
         self._recv = recv
         self._emit = emit
         self._busy_s = 0.0
         self._num_steps = 0
 
     def run(self) -> None:
-        engine = self.engine
+        core = self.core
         while True:
-            for command in self._recv(not engine.has_unfinished_requests()):
+            failed: list[EngineCoreOutput] = []
+            for command in self._recv(not core.has_unfinished_requests()):
                 if command == _SHUTDOWN:
                     return
-                self._apply(command)
-            if engine.has_unfinished_requests():
+                failed += self._apply(command)
+            if core.has_unfinished_requests():
                 start = time.perf_counter()
-                outputs = engine.step()
+                outputs = core.step()
                 self._busy_s += time.perf_counter() - start
                 self._num_steps += 1
-                self._emit(StepReport(outputs, self.stats()))
+                self._emit(_CoreStep(failed + outputs, self.stats()))
+            elif failed:
+                self._emit(_CoreStep(failed, self.stats()))
 
-    def _apply(self, command) -> None:
+    def _apply(self, command) -> list[EngineCoreOutput]:
         if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
-            return
+            self.core.abort_requests(command.request_ids)
+            return []
         if isinstance(command, _Query):
             self._answer(command)
-            return
-        try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                    prompt_text=command.prompt_text, arrival_time=command.arrival_time,
-                                    cache_pin=command.cache_pin)
-        except ValueError as e:
-            self._emit(_AddResult(command.request_id, str(e)))
-        except Exception as e:  # NOTE: validation runs before any state changes, so the engine is intact
-            logger.exception("adding request %s failed", command.request_id)
-            self._emit(_AddResult(command.request_id, f"{type(e).__name__}: {e}", internal=True))
-        else:
-            self._emit(_AddResult(command.request_id, None))
+            return []
+        failed = []
+        for req in command.requests:
+            try:
+                self.core.add_request(req)
+            except Exception as e:  # NOTE: validated by the front end: this is the core's fault, not the client's
+                logger.exception("adding request %s failed", req.request_id)
+                failed.append(self.core.fail_request(req.request_id, f"{type(e).__name__}: {e}"))
+        return failed
 
     def _answer(self, query: _Query) -> None:
         if query.method not in _QUERY_METHODS:
             self._emit(_QueryResult(query.query_id, None, f"unknown engine query {query.method!r}"))
             return
         try:
-            result = getattr(self.engine, query.method)(*query.args)
+            result = getattr(self.core, query.method)(*query.args)
         except ValueError as e:
             self._emit(_QueryResult(query.query_id, None, str(e)))
-        except Exception as e:  # read-only queries: a failure leaves the engine as it was
+        except Exception as e:  # read-only queries: a failure leaves the core as it was
             logger.exception("engine query %s failed", query.method)
             self._emit(_QueryResult(query.query_id, None, f"{type(e).__name__}: {e}", internal=True))
         else:
             self._emit(_QueryResult(query.query_id, result, None))
 
     def stats(self) -> EngineStats:
-        sched = self.engine.scheduler
+        sched = self.core.scheduler
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
-            kv_cache_usage=self.engine.block_pool.usage,
+            kv_cache_usage=self.core.block_pool.usage,
             num_preemptions_total=sched.stats.num_preemptions,
             num_prefix_query_tokens_total=sched.stats.num_prefix_query_tokens,
             num_prefix_hit_tokens_total=sched.stats.num_prefix_hit_tokens,
             num_pinned_blocks=sched.kv.pins.num_pinned,
             num_steps_total=self._num_steps, busy_s=self._busy_s,
-            num_kv_blocks_total=self.engine.block_pool.num_blocks,
+            num_kv_blocks_total=self.core.block_pool.num_blocks,
             num_kv_request_blocks=sched.kv.num_request_blocks,
             resident_memory_bytes=resident_memory_bytes())
 
 
 def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None],
                   own_process: bool = False) -> None:
-    """Body of the engine thread or process: build the Engine, report ready, loop until shutdown."""
+    """Body of the engine thread or process: build the core, report ready, loop until shutdown."""
     try:
-        engine = Engine(args)
+        core = EngineCore(args.create_engine_config())
         if own_process:  # this process holds this one engine until it exits
-            Engine.freeze_gc()
+            EngineCore.freeze_gc()
     except Exception as e:  # a bad --model or flag: the server reports it and exits
         logger.debug("engine start-up failed", exc_info=True)
         emit(_Ready(None, f"{type(e).__name__}: {e}"))
         return
-    info = EngineInfo(engine.model_name, engine.max_model_len, args.max_num_seqs, engine.kv_layout.num_blocks,
-                      engine.kv_layout.block_size)
-    # NOTE: copying (0.1 s) beats loading again (seconds for a GGUF vocabulary).
-    emit(_Ready(info, None, copy.deepcopy(engine.tokenizer)))
+    emit(_Ready(core.info, None))
     try:
-        EngineLoop(engine, recv, emit).run()
+        EngineLoop(core, recv, emit).run()
     except Exception:
         emit(_Stopped(traceback.format_exc()))
         return
@@ -323,11 +310,14 @@ class _ProcessTransport:
                                     daemon=True)
         self._process.start()
         child_conn.close()
+        self.num_bytes_received = 0
 
         def read() -> None:
             while True:
                 try:
-                    message = self._conn.recv()
+                    raw = self._conn.recv_bytes()
+                    self.num_bytes_received += len(raw)
+                    message = _loads(raw)
                 except (EOFError, OSError):
                     message = _Stopped(f"engine process exited (code {self._process.exitcode})")
                 try:
@@ -352,6 +342,12 @@ class _ProcessTransport:
             self._process.kill()
 
 
+def _loads(raw: bytes):
+    from multiprocessing.reduction import ForkingPickler
+
+    return ForkingPickler.loads(raw)
+
+
 # ---- the asyncio side ---------------------------------------------------------------------------
 class RequestStream:
     """The outputs of one request, in order, as an async iterator.
@@ -362,11 +358,15 @@ class RequestStream:
     (event-loop time) the request is aborted and the iterator raises RequestTimeoutError.
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, num_seqs: int, deadline: float | None = None):
+    def __init__(self, engine: "AsyncEngine", request_id: str, num_seqs: int, deadline: float | None = None,
+                 delta: bool = False):
         self.request_id = request_id
         self.num_seqs = num_seqs
         self.finished = False
         self.deadline = deadline
+        self.delta = delta
+        self.num_output_tokens = [0] * num_seqs
+        """Tokens generated so far per sample (whatever the output kind carries)."""
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -385,10 +385,12 @@ class RequestStream:
                                       "and was aborted") from None
         while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
             newer = self._queue.get_nowait()
-            item = newer if isinstance(newer, BaseException) else _merge(item, newer)
+            item = newer if isinstance(newer, BaseException) else _merge(item, newer, self.delta)
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        for i, ids in enumerate(item.new_token_ids):
+            self.num_output_tokens[i] += len(ids)
         self.finished = item.finished
         return item
 
@@ -399,21 +401,29 @@ class RequestStream:
             self._engine.abort(self.request_id)
 
 
-def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+def _merge(older: RequestOutput, newer: RequestOutput, delta: bool) -> RequestOutput:
+    """Two queued outputs of one request as one. Cumulative outputs keep the newer's content; delta outputs
+    concatenate their content. Either way new_token_ids / new_texts concatenate."""
+    outputs = newer.outputs
+    if delta:
+        outputs = [dataclasses.replace(
+            b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+            logprobs=None if b.logprobs is None else (a.logprobs or []) + b.logprobs)
+            for a, b in zip(older.outputs, newer.outputs)]
     return dataclasses.replace(
-        newer,
+        newer, outputs=outputs,
         new_token_ids=[a + b for a, b in zip(older.new_token_ids, newer.new_token_ids)],
         new_texts=[a + b for a, b in zip(older.new_texts, newer.new_texts)])
 
 
 class AsyncEngine:
-    """An Engine stepping in the background, with admission control, for asyncio servers.
+    """The front end of an EngineCore stepping in the background, with admission control, for asyncio.
 
     Use from one event loop: `await start()`, then `stream = await add_request(...)` (raises ValueError
-    for a request the engine rejects, EngineOverloadedError past capacity) and `async for out in stream`.
-    At most max_num_seqs + max_queue_len sequences (a request with n samples counts n) are in flight.
-    Listeners get every StepReport on the event loop (metrics). `explain_prefix` and
-    `prefix_cache_stats` ask the engine itself (it may live in another process), between two steps.
+    for a request the engine cannot run, EngineOverloadedError past capacity) and `async for out in
+    stream`. At most max_num_seqs + max_queue_len sequences (a request with n samples counts n) are in
+    flight. Listeners get every StepReport on the event loop (metrics). `explain_prefix` and
+    `prefix_cache_stats` ask the core itself (it may live in another process), between two steps.
     """
 
     def __init__(self, args: EngineArgs, *, max_queue_len: int = 256, use_process: bool = False):
@@ -423,13 +433,14 @@ class AsyncEngine:
         self.max_queue_len = max_queue_len
         self.use_process = use_process
         self.info: EngineInfo | None = None
-        self.tokenizer = None  # set by start(): a copy of the engine's, for use on the event loop
+        self.tokenizer = None  # set by start(); the front end's own (the core needs none)
+        self.processor: Processor | None = None
+        self.output_processor: OutputProcessor | None = None
         self.stats = EngineStats()
         self.dead_reason: str | None = None
         self._transport: _ThreadTransport | _ProcessTransport | None = None
         self._ready: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._pending_adds: dict[str, asyncio.Future] = {}
         self._pending_queries: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
         self._num_inflight_seqs = 0
@@ -438,16 +449,28 @@ class AsyncEngine:
 
     # ---- life cycle -----------------------------------------------------------------------------
     async def start(self) -> EngineInfo:
-        """Start the loop and wait until the engine is built. Raises RuntimeError if it cannot start."""
+        """Start the loop and wait until the core is built; the tokenizer loads here meanwhile. Raises
+        RuntimeError if the engine cannot start."""
         self._ready = asyncio.get_running_loop().create_future()
         transport = _ProcessTransport if self.use_process else _ThreadTransport
         self._transport = transport(self.args, self._on_message)
+        try:
+            tokenizer, hf_config = await asyncio.to_thread(_load_front_end, self.args)
+        except Exception as e:
+            tokenizer, hf_config = None, None
+            front_error = f"{type(e).__name__}: {e}"
+        else:
+            front_error = None
         ready: _Ready = await self._ready
-        if ready.error is not None:
-            self._transport.join(5.0)
-            self._transport = None
-            raise RuntimeError(f"engine failed to start: {ready.error}")
-        self.info, self.tokenizer = ready.info, ready.tokenizer
+        error = ready.error or front_error
+        if error is not None:
+            transport, self._transport = self._transport, None
+            transport.send(_SHUTDOWN)
+            transport.join(5.0)
+            raise RuntimeError(f"engine failed to start: {error}")
+        self.info, self.tokenizer = ready.info, tokenizer
+        self.processor = Processor(tokenizer, ready.info, eos_token_ids(hf_config, tokenizer))
+        self.output_processor = OutputProcessor(tokenizer)
         return self.info
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -471,6 +494,11 @@ class AsyncEngine:
     def num_inflight_seqs(self) -> int:
         return self._num_inflight_seqs
 
+    @property
+    def num_bytes_received(self) -> int:
+        """Bytes the engine process has sent this process (0 with the engine on a thread)."""
+        return getattr(self._transport, "num_bytes_received", 0)
+
     def add_listener(self, listener: Callable[[StepReport], None]) -> None:
         self._listeners.append(listener)
 
@@ -482,9 +510,9 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           prompt_text: str | None = None, cache_pin: tuple[int, float] | None = None,
                           deadline: float | None = None) -> RequestStream:
-        """Queue a request once the engine accepted it. Raises ValueError (rejected by the engine: the
-        message says why), EngineOverloadedError (over capacity), EngineInternalError (the engine failed
-        on it) or EngineDeadError.
+        """Queue a request. Raises ValueError (it cannot run on this engine: the message says why),
+        EngineOverloadedError (over capacity) or EngineDeadError. A failure inside the core later ends
+        the stream with an output whose finish_reason is "error".
 
         cache_pin: (prefix tokens, TTL seconds) to pin in the prefix cache (see Engine.add_request).
         deadline: event-loop time (loop.time()) after which the request is aborted (RequestStream)."""
@@ -496,26 +524,23 @@ class AsyncEngine:
             raise EngineOverloadedError(
                 f"the server is at capacity ({self._num_inflight_seqs} sequences in flight; at most "
                 f"{self.args.max_num_seqs} running + {self.max_queue_len} waiting); retry later")
-        stream = RequestStream(self, request_id, params.n, deadline)
+        arrival = time.monotonic()
+        children = self.processor.make_requests(request_id, list(prompt_token_ids), params, arrival, cache_pin)
+        self.output_processor.add_group(request_id, prompt_text, prompt_token_ids,
+                                        [c.request_id for c in children], params, arrival)
+        stream = RequestStream(self, request_id, params.n, deadline,
+                               delta=params.output_kind == RequestOutputKind.DELTA)
         self._streams[request_id] = stream
         self._num_inflight_seqs += params.n
-        added = asyncio.get_running_loop().create_future()
-        self._pending_adds[request_id] = added
-        self._transport.send(_Add(request_id, list(prompt_token_ids), params, prompt_text, time.monotonic(),
-                                  cache_pin))
-        try:
-            error, internal = await added
-        except asyncio.CancelledError:  # the client left while the engine was busy with a step
-            stream.close()
-            raise
-        if error is not None:
-            raise EngineInternalError(error) if internal else ValueError(error)
+        self._transport.send(_Add(children))
         return stream
 
-    # ---- read-only questions to the engine ------------------------------------------------------
-    async def explain_prefix(self, prompt: str | list[int]) -> dict:
+    # ---- read-only questions to the core --------------------------------------------------------
+    async def explain_prefix(self, token_ids: list[int]) -> dict:
         """Engine.explain_prefix, asked between two steps. Raises ValueError (e.g. an empty prompt)."""
-        return await self._query("explain_prefix", prompt)
+        self.processor.check_explain_prompt(token_ids)
+        explanation = await self._query("explain_prefix", list(token_ids))
+        return self.processor.explain(explanation, token_ids)
 
     async def prefix_cache_stats(self) -> dict:
         """Engine.prefix_cache_stats, asked between two steps."""
@@ -539,7 +564,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Ask the loop to abort a request; its final output (finish_reason "abort") ends its stream."""
         if self._transport is not None and request_id in self._streams:
-            self._transport.send(_Abort(request_id))
+            self._transport.send(_Abort(self.output_processor.sample_ids(request_id)))
 
     def abort_all(self, reason: str) -> int:
         """Abort every request in flight; each stream ends with RequestAbortedError(reason) rather than
@@ -553,14 +578,8 @@ class AsyncEngine:
 
     # ---- messages from the loop (on the event loop) ---------------------------------------------
     def _on_message(self, message: object) -> None:
-        if isinstance(message, StepReport):
+        if isinstance(message, _CoreStep):
             self._on_step(message)
-        elif isinstance(message, _AddResult):
-            future = self._pending_adds.pop(message.request_id, None)
-            if message.error is not None:
-                self._forget(message.request_id)
-            if future is not None and not future.done():
-                future.set_result((message.error, message.internal))
         elif isinstance(message, _QueryResult):
             future = self._pending_queries.get(message.query_id)
             if future is not None and not future.done():
@@ -580,15 +599,19 @@ class AsyncEngine:
                 for listener in self._on_dead:
                     listener(self.dead_reason)
 
-    def _on_step(self, report: StepReport) -> None:
-        self.stats = report.stats
-        for out in report.outputs:
+    def _on_step(self, step: _CoreStep) -> None:
+        self.stats = step.stats
+        processed = self.output_processor.process(step.outputs)
+        if processed.reqs_to_abort and self._transport is not None:
+            self._transport.send(_Abort(processed.reqs_to_abort))
+        for out in processed.request_outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             stream._queue.put_nowait(out)
             if out.finished:
                 self._forget(out.request_id)
+        report = StepReport(processed.request_outputs, step.stats, processed.stats)
         for listener in self._listeners:
             listener(report)
 
@@ -600,13 +623,17 @@ class AsyncEngine:
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is None:
             self.dead_reason = reason
-        for future in self._pending_adds.values():
-            if not future.done():
-                future.set_exception(EngineDeadError(reason))
-        self._pending_adds.clear()
         for future in self._pending_queries.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
         for request_id, stream in list(self._streams.items()):
             stream._queue.put_nowait(EngineDeadError(reason))
             self._forget(request_id)
+
+
+def _load_front_end(args: EngineArgs):
+    """The tokenizer and the model's config, read by the front end itself while the core loads weights."""
+    from kvserve.models.loader import ModelSource, load_hf_config, load_tokenizer
+
+    source = ModelSource.resolve(args.model)
+    return load_tokenizer(source), load_hf_config(source)

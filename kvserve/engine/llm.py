@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, object]
@@ -43,6 +43,11 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        # NOTE: only finished outputs are read here, so the engine need not build the others.
+        final = RequestOutputKind.FINAL_ONLY
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be SamplingParams or a list of them")
+        params = [p if p.output_kind == final else p.clone(output_kind=final) for p in params]
         token_ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             ids = self.engine.tokenize_prompt(prompt)

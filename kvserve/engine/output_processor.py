@@ -1,19 +1,23 @@
-"""OutputProcessor: scheduler results -> RequestOutputs (text, logprobs, stop strings, n-sample groups).
+"""OutputProcessor: the front end's output side. Engine-core deltas (new token ids, logprobs, finishes)
+-> RequestOutputs: text (incremental detokenization), stop strings, logprobs with decoded tokens, the n
+samples of a request grouped, metrics. It runs where the client is (the server process, or `LLM`), off the
+engine step.
 
-Owns the text side of each request. Token-level stops (EOS, stop ids, length) were applied by the
-scheduler; stop strings are found here, and the engine then finishes those requests in the scheduler.
+A sample whose text reaches a stop string finishes here; `process` returns its id in `reqs_to_abort` so the
+front end aborts it in the core (which reports it once more, as "abort": ignored). A sample whose text
+handling raises fails alone, with finish_reason "error", and is aborted in the core too.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.engine.core_types import EngineCoreOutput
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvserve.request import Request, RequestStatus
 from kvserve.sample.sampler import RowLogprobs
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -21,78 +25,147 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _SampleState:
     index: int
-    request: Request
+    request_id: str
+    params: SamplingParams
     detok: IncrementalDetokenizer | None
-    logprobs: list[dict[int, Logprob]] | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
     new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
+    num_logprobs_sent: int = 0
+    metrics: RequestMetrics | None = None
 
 
 @dataclass
 class _GroupState:
-    """One user request: its n samples (child Requests)."""
+    """One user request: its n samples."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[_SampleState]
     arrival_time: float
+    output_kind: RequestOutputKind
+    num_cached_tokens: int = 0
+    seen_first_token: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+@dataclass
+class IterationStats:
+    """What one step did, from the core's timestamps (for metrics, whatever the requests' output kinds)."""
+
+    num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0
+    """Prompt tokens of the requests that got their first token in this step."""
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+    """Sample ids the front end finished (stop string, error) that the core still runs."""
+    stats: IterationStats
 
 
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._groups: dict[str, _GroupState] = {}
-        self._child_to_group: dict[str, tuple[str, int]] = {}
+        self._samples: dict[str, tuple[_GroupState, _SampleState]] = {}  # sample (core request) id ->
 
-    def add_group(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+    def add_group(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], sample_ids: list[str],
+                  params: SamplingParams, arrival_time: float) -> None:
         samples = []
-        for i, child in enumerate(children):
-            params = child.sampling_params
+        for i, sample_id in enumerate(sample_ids):
             detok = None
             if params.detokenize:
-                detok = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, params.stop_strings,
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
                                                params.include_stop_str_in_output, params.skip_special_tokens)
-            samples.append(_SampleState(i, child, detok, [] if params.logprobs is not None else None))
-            self._child_to_group[child.request_id] = (request_id, i)
-        self._groups[request_id] = _GroupState(request_id, prompt, children[0].prompt_token_ids, samples,
-                                               children[0].timings.arrival)
+            samples.append(_SampleState(i, sample_id, params, detok,
+                                        logprobs=[] if params.logprobs is not None else None,
+                                        metrics=RequestMetrics(arrival_time)))
+        group = _GroupState(request_id, prompt, list(prompt_token_ids), samples, arrival_time, params.output_kind)
+        self._groups[request_id] = group
+        for s in samples:
+            self._samples[s.request_id] = (group, s)
 
-    def process(self, advanced: list[Request], logprobs: dict[str, RowLogprobs], ended: list[Request],
-                on_stop: Callable[[Request], None],
-                on_error: Callable[[Request, str], None]) -> list[RequestOutput]:
-        """Outputs for every group that changed this step. A child whose text reached a stop string is
-        handed to `on_stop` (which finishes it in the scheduler) before its output is built; a child
-        whose text handling raised is handed to `on_error` with the reason, and fails alone.
-        `ended`: children finished outside the token flow (aborted, failed in sampling)."""
+    def sample_ids(self, request_id: str) -> list[str]:
+        group = self._groups.get(request_id)
+        return [s.request_id for s in group.samples] if group else []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         touched: dict[str, _GroupState] = {}
-        for req in advanced:
-            group_id, idx = self._child_to_group[req.request_id]
-            group = self._groups[group_id]
+        to_abort: list[str] = []
+        stats = IterationStats()
+        for out in outputs:
+            entry = self._samples.get(out.request_id)
+            if entry is None:  # finished here already (stop string): the core's "abort" echo
+                continue
+            group, sample = entry
+            if sample.finish_reason is not None:
+                continue
+            _count(stats, group, sample, out)
             try:
-                self._add_token(group.samples[idx], req, logprobs.get(req.request_id), on_stop)
+                stopped = self._apply(group, sample, out)
             except Exception as e:
-                logger.exception("output processing failed for request %s", req.request_id)
-                on_error(req, f"output processing failed: {type(e).__name__}: {e}")
-            touched[group_id] = group
-        for req in ended:
-            if req.request_id in self._child_to_group:
-                group_id, _ = self._child_to_group[req.request_id]
-                touched[group_id] = self._groups[group_id]
-        return [self._make_output(g) for g in touched.values()]
+                logger.exception("output processing failed for request %s", out.request_id)
+                sample.finish_reason, sample.error = "error", f"output processing failed: {type(e).__name__}: {e}"
+                sample.metrics.finished_time = time.monotonic()
+                stopped = True
+            if stopped and not out.finished:
+                to_abort.append(out.request_id)
+            touched[group.request_id] = group
+        results = []
+        for group in touched.values():
+            output = self._make_output(group)
+            if output is not None:
+                results.append(output)
+        return ProcessedOutputs(results, to_abort, stats)
 
-    def _add_token(self, state: _SampleState, req: Request, row_logprobs: RowLogprobs | None,
-                   on_stop: Callable[[Request], None]) -> None:
-        token = req.output_token_ids[-1]
-        state.new_token_ids.append(token)
-        if state.logprobs is not None and row_logprobs is not None:
-            entry = self._logprob_entry(row_logprobs)
-            state.logprobs.append(entry)
-            state.cumulative_logprob += entry[token].logprob
-        if state.detok is not None and state.detok.add_tokens([token], finished=req.is_finished):
-            if not req.is_finished:
-                on_stop(req)
+    def _apply(self, group: _GroupState, sample: _SampleState, out: EngineCoreOutput) -> bool:
+        """Fold one core output into its sample; True if the sample finished here (stop string)."""
+        m = sample.metrics
+        if out.first_scheduled_time is not None and m.first_scheduled_time is None:
+            m.first_scheduled_time = out.first_scheduled_time
+        if sample.index == 0:
+            group.num_cached_tokens = out.num_cached_tokens
+        if out.new_token_ids:
+            m.first_token_time = m.first_token_time or out.timestamp
+            m.last_token_time = out.timestamp
+        for i, token in enumerate(out.new_token_ids):
+            sample.token_ids.append(token)
+            sample.new_token_ids.append(token)
+            if sample.logprobs is not None and out.new_logprobs is not None:
+                entry = self._logprob_entry(out.new_logprobs[i])
+                sample.logprobs.append(entry)
+                sample.cumulative_logprob += entry[token].logprob
+        stopped = False
+        if sample.detok is not None:
+            if out.new_token_ids or out.finished:
+                stopped = sample.detok.add_tokens(out.new_token_ids, finished=out.finished)
+            if stopped:
+                sample.stop_reason = sample.detok.stop_reason
+        if stopped:
+            sample.finish_reason = "stop"
+        elif out.finished:
+            sample.finish_reason, sample.error = out.finish_reason, out.error
+            if out.stop_reason is not None:
+                sample.stop_reason = out.stop_reason
+        if sample.finish_reason is not None:
+            m.finished_time = out.timestamp if out.finished and out.timestamp else time.monotonic()
+        return stopped
 
     def _logprob_entry(self, row: RowLogprobs) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
@@ -101,51 +174,62 @@ class OutputProcessor:
                 entry[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
         return entry
 
-    def _make_output(self, group: _GroupState) -> RequestOutput:
+    def _make_output(self, group: _GroupState) -> RequestOutput | None:
+        finished = group.finished
+        kind = group.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
         outputs, new_ids, new_texts = [], [], []
         for s in group.samples:
-            req = s.request
-            finished = req.is_finished
-            text = ""
-            delta = ""
-            if s.detok is not None:
-                if finished and req.error is None:
-                    try:
-                        s.detok.add_tokens([], finished=True)
-                    except Exception as e:  # the final flush of a finished request: fail it alone
-                        logger.exception("output processing failed for request %s", req.request_id)
-                        req.status, req.error = RequestStatus.FINISHED_ERROR, f"detokenization failed: {e}"
-                text = s.detok.text
-                delta = s.detok.take_delta(finished)
-            stop_reason = req.stop_reason
-            if s.detok is not None and s.detok.stop_reason is not None:
-                stop_reason = s.detok.stop_reason
+            done = s.finish_reason is not None
+            text = s.detok.text if s.detok is not None else ""
+            new_text = s.detok.take_delta(done) if s.detok is not None else ""
+            logprobs = None
+            if s.logprobs is not None:
+                logprobs = s.logprobs[s.num_logprobs_sent:] if delta else list(s.logprobs)
+                s.num_logprobs_sent = len(s.logprobs)
             outputs.append(CompletionOutput(
-                index=s.index, text=text, token_ids=list(req.output_token_ids),
+                index=s.index, text=new_text if delta else text,
+                token_ids=list(s.new_token_ids) if delta else list(s.token_ids),
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=req.status.finish_reason, stop_reason=stop_reason, error=req.error))
+                logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason, error=s.error))
             new_ids.append(s.new_token_ids)
-            new_texts.append(delta)
+            new_texts.append(new_text)
             s.new_token_ids = []
-        finished = all(s.request.is_finished for s in group.samples)
-        first = group.samples[0].request
-        timings = [s.request.timings for s in group.samples]
-        metrics = RequestMetrics(
-            arrival_time=group.arrival_time,
-            first_scheduled_time=min((t.first_scheduled for t in timings if t.first_scheduled), default=None),
-            first_token_time=min((t.first_token for t in timings if t.first_token), default=None),
-            last_token_time=max((t.last_token for t in timings if t.last_token), default=None),
-            finished_time=(max(t.finished or time.monotonic() for t in timings) if finished else None))
-        out = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
-                            num_cached_tokens=first.num_cached_tokens, metrics=metrics,
-                            new_token_ids=new_ids, new_texts=new_texts)
+        metrics = _group_metrics(group, finished)
         if finished:
             for s in group.samples:
-                del self._child_to_group[s.request.request_id]
+                del self._samples[s.request_id]
             del self._groups[group.request_id]
-        return out
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
+                             num_cached_tokens=group.num_cached_tokens, metrics=metrics,
+                             new_token_ids=new_ids, new_texts=new_texts)
 
-    def group_children(self, request_id: str) -> list[Request]:
-        group = self._groups.get(request_id)
-        return [s.request for s in group.samples] if group else []
+
+def _count(stats: IterationStats, group: _GroupState, sample: _SampleState, out: EngineCoreOutput) -> None:
+    if not out.new_token_ids:
+        return
+    stats.num_generation_tokens += len(out.new_token_ids)
+    if not group.seen_first_token:
+        group.seen_first_token = True
+        stats.num_prompt_tokens += len(group.prompt_token_ids)
+        stats.time_to_first_tokens.append(out.timestamp - group.arrival_time)
+    elif sample.metrics.last_token_time is not None and out.timestamp > sample.metrics.last_token_time:
+        stats.inter_token_latencies.append(out.timestamp - sample.metrics.last_token_time)
+
+
+def _group_metrics(group: _GroupState, finished: bool) -> RequestMetrics:
+    ms = [s.metrics for s in group.samples]
+
+    def first(values):
+        return min((v for v in values if v is not None), default=None)
+
+    def last(values):
+        return max((v for v in values if v is not None), default=None)
+
+    return RequestMetrics(arrival_time=group.arrival_time,
+                          first_scheduled_time=first(m.first_scheduled_time for m in ms),
+                          first_token_time=first(m.first_token_time for m in ms),
+                          last_token_time=last(m.last_token_time for m in ms),
+                          finished_time=last(m.finished_time for m in ms) if finished else None)

@@ -44,5 +44,9 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
     """
     if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be a positive integer, got {dtype_bytes!r}")
-    num_layers, num_kv_heads, head_dim = attention_shape(config)
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    return kv_bytes(*attention_shape(config), dtype_bytes)
+
+
+def kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float) -> int:
+    """The formula: K and V, per layer, per KV head, per element of head_dim (scales not included)."""
+    return int(2 * num_layers * num_kv_heads * head_dim * dtype_bytes)

@@ -3,6 +3,9 @@
 Follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 (RMSNorm, rotate-half RoPE, GQA,
 SwiGLU), with two serving changes: q/k/v and gate/up projections are fused into one matmul each, and the
 input is a flat token batch [T] with positions, whose attention goes through the paged KV cache.
+
+This file describes the network only: the layers (kvserve/layers) load their own weights, shards
+included, and multiply through a pluggable method; models/weight_loader.py maps checkpoint names to them.
 """
 from __future__ import annotations
 
@@ -13,6 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
+from kvserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvserve.layers.linear_methods import LinearMethod
+from kvserve.layers.parallel import ShardContext
 from kvserve.models.layer_ops import LayerOps
 
 
@@ -57,16 +64,19 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend):
+    def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend, method: LinearMethod,
+                 shard: ShardContext):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, feats.qkv_bias, method, shard.rank, shard.size)
+        self.num_heads = self.qkv_proj.num_heads        # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=feats.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, method,
+                                        shard.rank, shard.size, shard.all_reduce)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if feats.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if feats.qk_norm else None
         self.backend = backend
@@ -90,23 +100,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, method: LinearMethod, shard: ShardContext):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, method,
+                                                       shard.rank, shard.size)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, method, shard.rank,
+                                           shard.size, shard.all_reduce)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend):
+    def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend, method: LinearMethod,
+                 shard: ShardContext):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, feats, backend)
+        self.self_attn = Attention(cfg, feats, backend, method, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, method, shard)
 
     def forward(self, x, residual, rope_cos_sin, kv_cache, attn_meta, ops: LayerOps):
         """x: the previous sublayer's output (or the embeddings), residual: the stream before it (None in
@@ -124,16 +136,20 @@ class LlamaForCausalLM(nn.Module):
     """`forward` returns final hidden states [T, hidden]; `compute_logits` applies the LM head only to
     the rows that are sampled, which on CPU saves most of the 49k-wide head's cost during prefill."""
 
-    def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend, max_positions: int):
+    def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend, max_positions: int,
+                 method: LinearMethod, shard: ShardContext = ShardContext()):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, feats, backend) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard.rank, shard.size,
+                                                   shard.all_reduce)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, feats, backend, method, shard)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.ops: LayerOps = LayerOps()  # the engine swaps in FusedLayerOps where they build
+        tied = self.embed_tokens if getattr(cfg, "tie_word_embeddings", False) else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, method, tied, shard.rank, shard.size,
+                                      shard.all_gather)
+        self.ops: LayerOps = LayerOps()  # the worker swaps in FusedLayerOps where they build
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta) -> torch.Tensor:
@@ -145,14 +161,4 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()                               # [N, vocab]
-        return F.linear(hidden, self.embed_tokens.weight).float()
-
-    def untie_lm_head(self) -> None:
-        """Give a tied model its own LM-head module (sharing the embedding's storage), so the head can
-        be swapped for a faster implementation like every other linear layer."""
-        if self.lm_head is None:
-            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
-                                     device=self.embed_tokens.weight.device, dtype=self.embed_tokens.weight.dtype)
-            self.lm_head.weight = self.embed_tokens.weight
+        return self.lm_head(hidden)                                           # [N, vocab] float32

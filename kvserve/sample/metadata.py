@@ -4,9 +4,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import _GREEDY_EPS, SamplingParams
 
 
 @dataclass
@@ -94,51 +95,62 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingMetadata":
-        """Batch `rows` (row i of the logits is rows[i]).
-
-        Raises ValueError if a logit_bias, EOS or stop token id is not below `vocab_size`.
-        """
+        """Batch `rows` (row i of the logits is rows[i]). Token ids in the rows were checked at admission."""
         params = [row.params for row in rows]
-        greedy = [p.is_greedy for p in params]
-        random_params = [p for p, g in zip(params, greedy) if not g]
+        dense = DenseSamplingParams(
+            temperature=np.array([p.temperature for p in params], dtype=np.float32),
+            top_k=np.array([p.effective_top_k for p in params], dtype=np.int64),
+            top_p=np.array([p.top_p for p in params], dtype=np.float32),
+            min_p=np.array([p.min_p for p in params], dtype=np.float32),
+            num_logprobs=[p.logprobs for p in params])
+        generators = {i: row.generator for i, row in enumerate(rows) if row.generator is not None}
+        return cls.assemble(dense, generators, rows, vocab_size, device)
 
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
+    @classmethod
+    def assemble(cls, dense: "DenseSamplingParams", generators: dict[int, torch.Generator],
+                 sparse_rows: list[SamplingRow] | None, vocab_size: int,
+                 device: torch.device) -> "SamplingMetadata":
+        """From per-row arrays (the worker keeps them in its input batch) and, when some row needs a logits
+        processor (penalties, logit_bias, min_tokens), every row's SamplingRow; None when none does."""
+        greedy = dense.temperature < _GREEDY_EPS                                   # [B]
+        random = ~greedy
         top_k = top_p = min_p = None
-        if any(0 < p.effective_top_k < vocab_size for p in random_params):
-            top_k = torch.tensor([vocab_size if g or p.effective_top_k == 0 else min(p.top_k, vocab_size)
-                                  for p, g in zip(params, greedy)], dtype=torch.int64, device=device)
-        if any(p.top_p < 1.0 for p in random_params):
-            top_p = floats([1.0 if g else p.top_p for p, g in zip(params, greedy)])
-        if any(p.min_p > 0.0 for p in random_params):
-            min_p = floats([0.0 if g else p.min_p for p, g in zip(params, greedy)])
-
-        num_logprobs = [p.logprobs for p in params]
-        wanted = [n for n in num_logprobs if n is not None]
+        if np.any(random & (dense.top_k > 0) & (dense.top_k < vocab_size)):
+            k = np.where(greedy | (dense.top_k == 0), vocab_size, np.minimum(dense.top_k, vocab_size))
+            top_k = torch.from_numpy(k.astype(np.int64)).to(device)
+        if np.any(random & (dense.top_p < 1.0)):
+            top_p = torch.from_numpy(np.where(greedy, 1.0, dense.top_p).astype(np.float32)).to(device)
+        if np.any(random & (dense.min_p > 0.0)):
+            min_p = torch.from_numpy(np.where(greedy, 0.0, dense.min_p).astype(np.float32)).to(device)
+        wanted = [n for n in dense.num_logprobs if n is not None]
+        rows = sparse_rows or []
         return cls(
             vocab_size=vocab_size,
-            temperature=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
+            temperature=torch.from_numpy(np.where(greedy, 1.0, dense.temperature).astype(np.float32)).to(device),
+            greedy_mask=torch.from_numpy(greedy).to(device),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
-            generators={i: row.generator for i, (row, g) in enumerate(zip(rows, greedy))
-                        if row.generator is not None and not g},
-            penalties=_build_penalties(rows, vocab_size, device),
-            logit_bias=_build_logit_bias(params, vocab_size, device),
-            min_tokens_mask=_build_min_tokens_mask(rows, vocab_size, device),
-            num_logprobs=num_logprobs,
+            generators={i: g for i, g in generators.items() if not greedy[i]},
+            penalties=_build_penalties(rows, vocab_size, device) if rows else None,
+            logit_bias=_build_logit_bias([row.params for row in rows], device) if rows else None,
+            min_tokens_mask=_build_min_tokens_mask(rows, device) if rows else None,
+            num_logprobs=list(dense.num_logprobs),
             max_num_logprobs=min(max(wanted), vocab_size) if wanted else None,
         )
 
 
-def _check_token_ids(token_ids, vocab_size: int, what: str) -> None:
-    bad = [t for t in token_ids if t >= vocab_size]
-    if bad:
-        raise ValueError(f"{what} token ids {bad} are out of range for vocab_size={vocab_size}")
+@dataclass
+class DenseSamplingParams:
+    """The per-row sampling values every row has, as arrays (row i of the logits is index i)."""
+
+    temperature: np.ndarray  # [B] float32; below _GREEDY_EPS = greedy
+    top_k: np.ndarray        # [B] int64; 0 = disabled
+    top_p: np.ndarray        # [B] float32; 1.0 = disabled
+    min_p: np.ndarray        # [B] float32; 0.0 = disabled
+    num_logprobs: list[int | None]
 
 
 def _pad_token_lists(lists: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
@@ -169,12 +181,10 @@ def _build_penalties(rows: list[SamplingRow], vocab_size: int,
     )
 
 
-def _build_logit_bias(params: list[SamplingParams], vocab_size: int,
-                      device: torch.device) -> SparseLogits | None:
+def _build_logit_bias(params: list[SamplingParams], device: torch.device) -> SparseLogits | None:
     row_idx, token_ids, values = [], [], []
     for i, p in enumerate(params):
         if p.logit_bias:
-            _check_token_ids(p.logit_bias, vocab_size, "logit_bias")
             row_idx.extend([i] * len(p.logit_bias))
             token_ids.extend(p.logit_bias)
             values.extend(float(v) for v in p.logit_bias.values())
@@ -185,13 +195,11 @@ def _build_logit_bias(params: list[SamplingParams], vocab_size: int,
                         values=torch.tensor(values, dtype=torch.float32, device=device))
 
 
-def _build_min_tokens_mask(rows: list[SamplingRow], vocab_size: int,
-                           device: torch.device) -> SparseLogits | None:
+def _build_min_tokens_mask(rows: list[SamplingRow], device: torch.device) -> SparseLogits | None:
     row_idx, token_ids = [], []
     for i, row in enumerate(rows):
         if len(row.output_token_ids) < row.params.min_tokens:
             stops = set(row.eos_token_ids) | set(row.params.stop_token_ids)
-            _check_token_ids(stops, vocab_size, "EOS/stop")
             row_idx.extend([i] * len(stops))
             token_ids.extend(stops)
     if not row_idx:

@@ -32,10 +32,10 @@ class WaitingOrder:
         items = list(waiting)
         first = [r for r in items if r.status == RequestStatus.PREEMPTED
                  or self._skips.get(r.request_id, 0) >= MAX_SKIPS]
-        first.sort(key=lambda r: (r.status != RequestStatus.PREEMPTED, r.timings.arrival))
+        first.sort(key=lambda r: (r.status != RequestStatus.PREEMPTED, r.metrics.arrival_time))
         rest = [r for r in items if r not in first]
         hits = {r.request_id: len(self.kv.get_computed_blocks(r)) for r in rest}
-        rest.sort(key=lambda r: (-hits[r.request_id], r.timings.arrival))
+        rest.sort(key=lambda r: (-hits[r.request_id], r.metrics.arrival_time))
         waiting.clear()
         waiting.extend(first + rest)
 
@@ -44,11 +44,11 @@ class WaitingOrder:
             for r in admitted:
                 self._skips.pop(r.request_id, None)
             return
-        latest = max(r.timings.arrival for r in admitted)
+        latest = max(r.metrics.arrival_time for r in admitted)
         for r in admitted:
             self._skips.pop(r.request_id, None)
         for r in waiting:
-            if r.timings.arrival < latest:
+            if r.metrics.arrival_time < latest:
                 self._skips[r.request_id] = self._skips.get(r.request_id, 0) + 1
 
     def forget(self, request_id: str) -> None:

@@ -10,26 +10,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvserve.config.scheduler import SchedulerConfig
+from kvserve.engine.core_types import EngineCoreOutput
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
+from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.scheduler.policy import WaitingOrder
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request  # NOTE: read-only for the worker; only the scheduler mutates requests
-    num_tokens: int   # tokens computed this step, from request.num_computed_tokens on
-    block_ids: list[int]
-    samples: bool     # the step reaches the request's last token, so a new token is sampled
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # requests with one query token ("decodes") first
-    total_num_scheduled_tokens: int
-    preempted_req_ids: list[str] = field(default_factory=list)
+from kvserve.worker.runner_output import ModelRunnerOutput
 
 
 @dataclass
@@ -37,18 +26,6 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
-    """fcfs, or lpm: longest cached prefix first (bounded: see WaitingOrder)."""
-    long_prefill_token_threshold: int = 0
-    """In a step that also decodes, no request computes more than this many prompt tokens (0: no cap)."""
 
 
 class Scheduler:
@@ -61,6 +38,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._wait_for: dict[str, Request] = {}  # request id -> sibling whose prompt KV it will reuse
         self.order = WaitingOrder(config.policy, kv_manager)
+        # What the worker knows, so that each SchedulerOutput sends only the diff.
+        self._num_blocks_sent: dict[str, int] = {}  # running request -> leading table blocks sent
+        self._finished_ids: set[str] = set()         # finished since the last schedule()
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request, wait_for: Request | None = None) -> None:
@@ -83,10 +63,13 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.status = status
-        req.timings.finished = time.monotonic()
+        req.metrics.finished_time = time.monotonic()
         self.kv.free(req, finished=True)
         self._wait_for.pop(request_id, None)
         self.order.forget(request_id)
+        self._num_blocks_sent.pop(request_id, None)
+        if req.num_preemptions or req.metrics.first_scheduled_time is not None:
+            self._finished_ids.add(request_id)  # the worker has seen it
         return req
 
     @property
@@ -95,9 +78,11 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decide this step: which requests compute how many tokens. Returns the diff for the worker;
+        requests with one query token ("decodes") come first in `num_scheduled_tokens`."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
         self.kv.pins.expire()
         chunk_cap = self._prefill_chunk_cap()
@@ -105,7 +90,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget, chunk_cap)
             if not cfg.enable_chunked_prefill and req.num_tokens - req.num_computed_tokens > budget:
                 i += 1
                 continue
@@ -116,7 +101,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(self._entry(req, num_new))
+                scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
                 continue
@@ -148,20 +133,50 @@ class Scheduler:
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:  # first admission, not a resumption
                 req.num_cached_tokens = num_hit
-                req.timings.first_scheduled = time.monotonic()
+                req.metrics.first_scheduled_time = time.monotonic()
                 self.stats.num_prefix_query_tokens += req.num_prompt_tokens
                 self.stats.num_prefix_hit_tokens += num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted.append(req)
-            scheduled.append(self._entry(req, num_new))
+            scheduled.append((req, num_new))
             budget -= num_new
         self.order.after_admission(self.waiting, admitted)
 
-        scheduled.sort(key=lambda s: s.num_tokens != 1)  # stable: decodes first
-        total = sum(s.num_tokens for s in scheduled)
-        assert total <= cfg.max_num_batched_tokens and len(self.running) <= cfg.max_num_seqs
-        return SchedulerOutput(scheduled, total, preempted)
+        scheduled.sort(key=lambda entry: entry[1] != 1)  # stable: decodes first
+        out = self._diff(scheduled, preempted)
+        assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(self.running) <= cfg.max_num_seqs
+        return out
+
+    def _diff(self, scheduled: list[tuple[Request, int]], preempted: list[str]) -> SchedulerOutput:
+        """What the worker needs to know about this step and does not know yet."""
+        new, cached = [], CachedRequestData()
+        for req, num_new in scheduled:
+            block_ids = self.kv.block_ids(req.request_id)
+            sent = self._num_blocks_sent.get(req.request_id)
+            self._num_blocks_sent[req.request_id] = len(block_ids)
+            if sent is not None:  # running since an earlier step: only the new blocks
+                cached.req_ids.append(req.request_id)
+                cached.resumed_from_preemption.append(False)
+                cached.new_block_ids.append(block_ids[sent:])
+                cached.num_computed_tokens.append(req.num_computed_tokens)
+            elif req.num_preemptions:  # back after a preemption: the worker kept its tokens, not its blocks
+                cached.req_ids.append(req.request_id)
+                cached.resumed_from_preemption.append(True)
+                cached.new_block_ids.append(block_ids)
+                cached.num_computed_tokens.append(req.num_computed_tokens)
+            else:
+                new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                          req.eos_token_ids, block_ids, req.num_computed_tokens))
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+            num_scheduled_tokens={req.request_id: n for req, n in scheduled},
+            total_num_scheduled_tokens=sum(n for _, n in scheduled),
+            scheduled_spec_decode_tokens={req.request_id: list(req.spec_token_ids)
+                                          for req, _ in scheduled if req.spec_token_ids},
+            finished_req_ids=finished, preempted_req_ids=set(preempted))
 
     def _prefill_chunk_cap(self) -> int:
         """Most prompt tokens one request may compute this step.
@@ -185,12 +200,9 @@ class Scheduler:
         self.kv.pins.release_oldest(self.kv.pins.num_pinned)
         return self.kv.allocate_slots(req, num_new, computed)
 
-    def _entry(self, req: Request, num_new: int) -> ScheduledRequest:
-        samples = req.num_computed_tokens + num_new == req.num_tokens
-        return ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id), samples)
-
     def _preempt(self, req: Request) -> None:
         self.kv.free(req, finished=False)
+        self._num_blocks_sent.pop(req.request_id, None)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -198,34 +210,64 @@ class Scheduler:
         self.stats.num_preemptions += 1
 
     # ---- after the forward pass ---------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, apply token-level stop rules.
+    def update(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append the sampled tokens, apply token-level stop rules.
 
-        Returns the requests that got a new token this step (finished ones have status set and blocks
-        released). Stop strings are the output processor's job; it calls finish_request.
+        Returns one EngineCoreOutput per request that got tokens or finished this step (finished ones
+        have their blocks released). A request whose sampling failed finishes with finish_reason
+        "error". Stop strings are the front end's; it aborts those requests.
         """
         now = time.monotonic()
-        advanced = []
-        for s in out.scheduled:
-            req = s.request
-            if req.is_finished:  # aborted between schedule and update
+        sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
+        logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
+        outputs = []
+        for req_id, num_scheduled in out.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None:  # aborted between schedule and update
                 continue
-            req.num_computed_tokens += s.num_tokens
+            error = runner_out.errors.get(req_id)
+            if error is not None:
+                self.finish_request(req_id, RequestStatus.FINISHED_ERROR, error)
+                outputs.append(self._output(req, [], None, now))
+                continue
+            new_ids = sampled.get(req_id, [])
+            # NOTE: drafts the target rejected were computed but are not tokens of the request.
+            num_rejected = len(req.spec_token_ids) + 1 - len(new_ids) if new_ids and req.spec_token_ids else 0
+            req.num_computed_tokens += num_scheduled - num_rejected
+            req.spec_token_ids = []
+            # Every computed token is now final (prompt, or output the sampler accepted): safe to share.
             self.kv.cache_full_blocks(req)
             if req.cache_pin and req.num_pinned_tokens is None and req.num_computed_tokens >= req.cache_pin[0]:
                 req.num_pinned_tokens = self.kv.pin_prefix(req, *req.cache_pin)
-            if not s.samples:
+            if not new_ids:
                 continue
-            token = sampled[req.request_id]
-            req.append_output_token(token)
-            if req.timings.first_token is None:
-                req.timings.first_token = now
-            req.timings.last_token = now
-            advanced.append(req)
-            status = self._stop_status(req, token)
+            appended = []
+            status = None
+            for token in new_ids:
+                req.append_output_token(token)
+                appended.append(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    break
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
             if status is not None:
-                self.finish_request(req.request_id, status)
-        return advanced
+                self.finish_request(req_id, status)
+            row_logprobs = logprobs.get(req_id)
+            outputs.append(self._output(req, appended, row_logprobs[:len(appended)] if row_logprobs else None,
+                                        now))
+        return outputs
+
+    @staticmethod
+    def _output(req: Request, new_ids: list[int], new_logprobs, now: float) -> EngineCoreOutput:
+        return EngineCoreOutput(req.request_id, new_ids, new_logprobs, now, req.metrics.first_scheduled_time,
+                                req.num_cached_tokens, req.status.finish_reason,
+                                req.stop_reason if isinstance(req.stop_reason, int) else None, req.error)
+
+    def finished_output(self, req: Request) -> EngineCoreOutput:
+        """The output announcing a request finished outside update() (aborted)."""
+        return self._output(req, [], None, time.monotonic())
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
@@ -22,14 +21,6 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0)
-
-
-@dataclass
-class _Tracked:
-    """Per in-flight request: what the metrics already counted."""
-
-    seen_first_token: bool = False
-    last_token_time: float | None = None
 
 
 class ServerMetrics:
@@ -77,7 +68,6 @@ class ServerMetrics:
         self._rejected = Counter("kvserve:request_rejected", "Requests refused before running, by reason.",
                                  labels + ["reason"], registry=r)
         self._model_name = model_name
-        self._tracked: dict[str, _Tracked] = {}
         self._last = EngineStats()
         # Plain totals for the stats log line (reading them back from prometheus objects is clumsy).
         self.num_prompt_tokens = 0
@@ -104,33 +94,28 @@ class ServerMetrics:
         self.busy_seconds.inc(max(0.0, stats.busy_s - self._last.busy_s))
         self.steps.inc(stats.num_steps_total - self._last.num_steps_total)
         self._last = stats
+        it = report.iteration
+        self.num_generation_tokens += it.num_generation_tokens
+        self.generation_tokens.inc(it.num_generation_tokens)
+        self.num_prompt_tokens += it.num_prompt_tokens
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        for ttft in it.time_to_first_tokens:
+            self.ttft.observe(ttft)
+        for itl in it.inter_token_latencies:
+            self.itl.observe(itl)
         for out in report.outputs:
-            self._on_output(out)
+            if out.finished:
+                self._on_finished(out)
 
-    def _on_output(self, out) -> None:
-        tracked = self._tracked.setdefault(out.request_id, _Tracked())
+    def _on_finished(self, out) -> None:
+        reason = out.outputs[0].finish_reason if out.outputs else "abort"
+        self._finished.labels(self._model_name, reason or "abort").inc()
         m = out.metrics
-        num_new = sum(len(ids) for ids in out.new_token_ids)
-        self.num_generation_tokens += num_new
-        self.generation_tokens.inc(num_new)
-        if m is not None and m.first_token_time is not None:
-            if not tracked.seen_first_token:
-                tracked.seen_first_token = True
-                self.ttft.observe(m.time_to_first_token)
-                self.num_prompt_tokens += len(out.prompt_token_ids)
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
-            elif num_new and tracked.last_token_time is not None and m.last_token_time > tracked.last_token_time:
-                self.itl.observe(m.last_token_time - tracked.last_token_time)
-            tracked.last_token_time = m.last_token_time
-        if out.finished:
-            del self._tracked[out.request_id]
-            reason = out.outputs[0].finish_reason if out.outputs else "abort"
-            self._finished.labels(self._model_name, reason or "abort").inc()
-            if m is not None:
-                if m.e2e_latency is not None:
-                    self.e2e.observe(m.e2e_latency)
-                if m.queue_time is not None:
-                    self.queue_time.observe(m.queue_time)
+        if m is not None:
+            if m.e2e_latency is not None:
+                self.e2e.observe(m.e2e_latency)
+            if m.queue_time is not None:
+                self.queue_time.observe(m.queue_time)
 
 
 async def log_stats_periodically(metrics: ServerMetrics, get_stats, interval: float) -> None:

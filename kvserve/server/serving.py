@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from kvserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInternalError, EngineOverloadedError,
                                          RequestAbortedError, RequestStream, RequestTimeoutError)
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, from_validation_error
 from kvserve.server.metrics import ServerMetrics
@@ -151,6 +151,12 @@ def _engine_rejection(message: str, prompt_param: str) -> APIError:
              else "logprobs" if "logprobs" in message else "logit_bias" if "logit_bias" in message
              else "stop_token_ids" if "stop_token_ids" in message else None)
     return APIError(400, message, param=param, code=code)
+
+
+def with_output_kind(params: SamplingParams, stream: bool) -> SamplingParams:
+    """A stream needs only what is new at each step; a whole response only the final output."""
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    return params.clone(output_kind=kind)
 
 
 def new_id(prefix: str) -> str:

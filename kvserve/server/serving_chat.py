@@ -20,14 +20,14 @@ from kvserve.server.prompts import render_chat_prompt, template_kwargs
 from kvserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice, Usage)
 from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, check_output, close_all, error_event,
-                                    final_output, new_id, read_request, sse, unless_disconnected)
+                                    final_output, new_id, read_request, sse, unless_disconnected, with_output_kind)
 
 
 async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
     request = await read_request(state, raw_request, ChatCompletionRequest)
     model = state.resolve_model(request.model)
     check_messages(state.config, len(request.messages))
-    params = request.to_sampling_params()
+    params = with_output_kind(request.to_sampling_params(), bool(request.stream))
     state.check_request(params)
     kwargs = template_kwargs(request.chat_template_kwargs, request.chat_template,
                              state.config.trust_request_chat_template)
@@ -65,7 +65,7 @@ class _ChatRun:
                               stop_reason=o.stop_reason)
                    for o in final.outputs]
         body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=_usage(final))
+                                      usage=_usage(final, stream))
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def events(self, stream: RequestStream) -> AsyncIterator[str]:
@@ -92,13 +92,13 @@ class _ChatRun:
                                                         stop_reason=o.stop_reason)])
                 final = out
             if self.request.include_usage and final is not None:
-                yield self._chunk([], _usage(final))
+                yield self._chunk([], _usage(final, stream))
         except Exception as e:  # the stream already said 200: report in-band, as OpenAI does
             yield error_event(e)
         yield SSE_DONE
 
 
-def _usage(out: RequestOutput) -> Usage:
+def _usage(out: RequestOutput, stream: RequestStream) -> Usage:
     return Usage.of(prompt_tokens=len(out.prompt_token_ids),
-                    completion_tokens=sum(len(o.token_ids) for o in out.outputs),
+                    completion_tokens=sum(stream.num_output_tokens),
                     cached_tokens=out.num_cached_tokens)

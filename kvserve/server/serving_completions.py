@@ -17,13 +17,14 @@ from kvserve.server.logprobs import completion_logprobs
 from kvserve.server.prompts import Prompt, completion_prompts
 from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, check_output, close_all, error_event,
-                                    merge_streams, new_id, read_request, sse, stream_error, unless_disconnected)
+                                    merge_streams, new_id, read_request, sse, stream_error, unless_disconnected,
+                                    with_output_kind)
 
 
 async def create_completion(state: ServerState, raw_request: Request) -> Response:
     request = await read_request(state, raw_request, CompletionRequest)
     model = state.resolve_model(request.model)
-    params = request.to_sampling_params()
+    params = with_output_kind(request.to_sampling_params(), bool(request.stream))
     state.check_request(params, request.num_prompts)
     prompts = await state.off_loop(completion_prompts, state.tokenizer, request.prompt, state.text_limit)
     run = _CompletionRun(state, request, model, prompts, params)
@@ -71,7 +72,7 @@ class _CompletionRun:
                 choices.append(CompletionChoice(index=i * self.params.n + o.index, text=self._echo(i) + o.text,
                                                 logprobs=self._logprobs(o, o.token_ids, 0),
                                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-        body = self._response(choices, _usage(finals))
+        body = self._response(choices, _usage(finals, streams))
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -104,13 +105,13 @@ class _CompletionRun:
                 if out.finished:
                     finals.append(out)
             if self.request.include_usage:
-                yield sse(self._response([], _usage(finals)))
+                yield sse(self._response([], _usage(finals, streams)))
         except Exception as e:  # the stream already said 200: report in-band, as OpenAI does
             yield error_event(e)
         yield SSE_DONE
 
 
-def _usage(finals: list[RequestOutput]) -> Usage:
+def _usage(finals: list[RequestOutput], streams: list[RequestStream]) -> Usage:
     return Usage.of(prompt_tokens=sum(len(out.prompt_token_ids) for out in finals),
-                    completion_tokens=sum(len(o.token_ids) for out in finals for o in out.outputs),
+                    completion_tokens=sum(sum(s.num_output_tokens) for s in streams),
                     cached_tokens=sum(out.num_cached_tokens for out in finals))

@@ -29,7 +29,7 @@ from kvserve.server.errors import APIError
 from kvserve.server.limits import check_messages
 from kvserve.server.prompts import Prompt, render_chat_prompt
 from kvserve.server.serving import (EventStream, ServerState, check_output, close_all, final_output, read_request,
-                                    stream_error, unless_disconnected)
+                                    stream_error, unless_disconnected, with_output_kind)
 
 logger = logging.getLogger("kvserve.server")
 
@@ -42,7 +42,7 @@ async def create_message(state: ServerState, raw_request: Request) -> Response:
     model = state.resolve_model(request.model)
     request.check_supported()
     check_messages(state.config, len(request.messages))
-    params = request.to_sampling_params()
+    params = with_output_kind(request.to_sampling_params(), bool(request.stream))
     state.check_request(params)
     prompt = await state.off_loop(_render, state, request)
     num_pin_tokens, ttl = await state.off_loop(_cache_pin, state, request, prompt)
@@ -113,23 +113,24 @@ class _MessageRun:
         self.model, self.params = model, params
         self.num_pin_tokens, self.pin_ttl, self.block_size = num_pin_tokens, pin_ttl, block_size
 
-    def _usage(self, out: RequestOutput) -> Usage:
+    def _usage(self, out: RequestOutput, num_output_tokens: int) -> Usage:
         c = cache_usage(len(out.prompt_token_ids), out.num_cached_tokens, self.num_pin_tokens, self.block_size)
         created = c.cache_creation_input_tokens
         by_ttl = CacheCreation(ephemeral_5m_input_tokens=created if self.pin_ttl == "5m" else 0,
                                ephemeral_1h_input_tokens=created if self.pin_ttl == "1h" else 0)
-        return Usage(input_tokens=c.input_tokens, output_tokens=len(out.outputs[0].token_ids),
+        return Usage(input_tokens=c.input_tokens, output_tokens=num_output_tokens,
                      cache_creation_input_tokens=created, cache_read_input_tokens=c.cache_read_input_tokens,
                      cache_creation=by_ttl)
 
-    def _message(self, out: RequestOutput, text: str, finished: bool) -> MessageResponse:
+    def _message(self, out: RequestOutput, text: str, finished: bool, num_output_tokens: int) -> MessageResponse:
         stop_reason, stop_sequence = _stop(out.outputs[0]) if finished else (None, None)
         return MessageResponse(id=self.id, model=self.model, content=[TextContent(text=text)] if finished else [],
-                               stop_reason=stop_reason, stop_sequence=stop_sequence, usage=self._usage(out))
+                               stop_reason=stop_reason, stop_sequence=stop_sequence,
+                               usage=self._usage(out, num_output_tokens))
 
     async def respond(self, stream: RequestStream) -> Response:
         final = await final_output(stream)
-        body = self._message(final, final.outputs[0].text, finished=True)
+        body = self._message(final, final.outputs[0].text, True, stream.num_output_tokens[0])
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def events(self, stream: RequestStream) -> AsyncIterator[str]:
@@ -139,7 +140,8 @@ class _MessageRun:
                 check_output(out)
                 if final is None:
                     yield _event("message_start", {"type": "message_start",
-                                                   "message": self._message(out, "", False).model_dump()})
+                                                   "message": self._message(
+                                                       out, "", False, stream.num_output_tokens[0]).model_dump()})
                     yield _event("content_block_start", {"type": "content_block_start", "index": 0,
                                                          "content_block": {"type": "text", "text": ""}})
                     yield _event("ping", {"type": "ping"})
@@ -150,7 +152,7 @@ class _MessageRun:
                                                          "delta": {"type": "text_delta", "text": text}})
             stop_reason, stop_sequence = _stop(final.outputs[0])
             yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-            usage = self._usage(final).model_dump(exclude={"cache_creation"})
+            usage = self._usage(final, stream.num_output_tokens[0]).model_dump(exclude={"cache_creation"})
             yield _event("message_delta", {"type": "message_delta", "usage": usage,
                                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}})
             yield _event("message_stop", {"type": "message_stop"})

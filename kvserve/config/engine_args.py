@@ -1,7 +1,8 @@
 """EngineArgs: every engine flag in one frozen dataclass; the CLI and `LLM(**kwargs)` are generated from it.
 
 Flag names follow vLLM's (`--max-num-seqs`, `--max-num-batched-tokens`, `--block-size`, ...) so users can
-switch without rereading docs. Derived values (resolved dtype, pool size) live on the engine, not here.
+switch without rereading docs. `create_engine_config()` resolves them into one config per concern
+(model, cache, scheduler, parallel, device, load); derived values (pool size) are the worker's.
 """
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.config.cache import CacheConfig
+from kvserve.config.device import DeviceConfig
+from kvserve.config.engine import EngineConfig
+from kvserve.config.load import LoadConfig
+from kvserve.config.model import ModelConfig
+from kvserve.config.parallel import ParallelConfig
+from kvserve.config.scheduler import SchedulerConfig
 from kvserve.utils.cli_args import add_dataclass_args, dataclass_from_args
 from kvserve.utils.sizes import parse_size
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "torch_sdpa")
 
 
 @dataclass(frozen=True)
@@ -23,11 +32,12 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata={
         "help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
         "choices": _DTYPES})
-    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda", "choices": ("auto", "cpu", "cuda")})
+    device: str = field(default="auto", metadata={
+        "help": "auto (the CPU: the CUDA path is not yet tested), cpu or cuda", "choices": ("auto", "cpu", "cuda")})
     attention_backend: str = field(default="auto", metadata={
         "help": "auto (on CPU: the C++ paged decode kernel and fused layer ops when they build), cpu_paged, "
-                "or torch_sdpa (PyTorch only)",
-        "choices": ("auto", "cpu_paged", "torch_sdpa")})
+                "or torch_ref (PyTorch only, the reference path; torch_sdpa is its old name)",
+        "choices": _ATTENTION_BACKENDS})
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: str = field(default="2GiB", metadata={
         "help": "KV-cache pool size on CPU, e.g. 2GiB or 512MiB"})
@@ -61,29 +71,41 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not 0.0 <= self.max_pinned_fraction <= 1.0:
-            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        parse_size(self.kv_cache_memory)  # raises ValueError naming the bad text
+        # NOTE: the configs that need no checkpoint validate themselves now, so a bad flag fails at once.
+        self._cache_config()
+        self._scheduler_config(max_model_len=self.max_model_len or 1)
+
+    def _cache_config(self) -> CacheConfig:
+        return CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.gpu_memory_utilization,
+                           self.num_gpu_blocks_override, self.enable_prefix_caching, self.max_pinned_fraction)
+
+    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        batched = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            batched = max(batched, max_model_len)  # a whole prompt must fit one step
+        return SchedulerConfig(self.max_num_seqs, batched, max_model_len, self.enable_chunked_prefill,
+                               self.scheduling_policy, self.long_prefill_token_threshold)
 
     @property
     def kv_cache_memory_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the flags into one config per concern (reads the model's config file, not its weights)."""
+        device = DeviceConfig(DeviceConfig.resolve_device(self.device), self.attention_backend, self.num_threads)
+        model = ModelConfig.resolve(self.model, self.dtype, device.device, self.max_model_len, self.max_logprobs)
+        return EngineConfig(
+            model=model,
+            cache=self._cache_config(),
+            scheduler=self._scheduler_config(model.max_model_len),
+            parallel=ParallelConfig(),
+            device=device,
+            load=LoadConfig(),
+            seed=self.seed)
 
     # ---- CLI generation -------------------------------------------------------------------
     @classmethod

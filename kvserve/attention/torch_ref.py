@@ -1,0 +1,73 @@
+"""torch_ref: the reference attention backend, PyTorch only (the oracle the other backends are tested against).
+
+Decodes (one query token each) are batched into one SDPA call over their contexts, gathered from the cache
+and padded to the longest; prefill chunks go through attention/prefill.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backend import CommonAttentionMetadata
+from kvserve.attention.prefill import PrefillChunk, build_prefills, gather, prefill_attention, write_kv
+from kvserve.kv_cache.layout import slot_mapping
+
+
+@dataclass
+class TorchRefMetadata:
+    slot_mapping: torch.Tensor              # [T]
+    num_decode_tokens: int
+    decode_gather_idx: torch.Tensor | None  # [Bd, Lmax] slots (padding points at a real slot, masked out)
+    decode_mask: torch.Tensor | None        # [Bd, 1, 1, Lmax] bool, True = attend
+    prefills: list[PrefillChunk]
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    # NOTE: K and V of a slot sit side by side so that one gather (or one kernel load) fetches both.
+    return (num_blocks, block_size, 2, num_kv_heads, head_dim)
+
+
+class TorchRefBackend:
+    name = "torch_ref"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchRefMetadata:
+        nd = common.num_decodes
+        gather_idx = mask = None
+        if nd:
+            seq_lens = common.seq_lens[:nd]                                  # [Bd]
+            pos = torch.arange(max(common.seq_lens_cpu[:nd]))                # [Lmax]
+            valid = pos[None, :] < seq_lens[:, None]                         # [Bd, Lmax]
+            pos_c = torch.where(valid, pos[None, :], 0)
+            gather_idx = slot_mapping(common.block_table, torch.arange(nd)[:, None], pos_c, common.block_size)
+            mask = valid[:, None, None, :]
+        return TorchRefMetadata(common.slot_mapping, common.num_decode_tokens, gather_idx, mask,
+                                build_prefills(common))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: TorchRefMetadata, scale: float) -> torch.Tensor:
+        flat = write_kv(kv_cache, meta.slot_mapping, k, v)                  # [slots, 2, Hkv, D]
+        out = torch.empty_like(q)                                           # [T, Hq, D]
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = _decode(q[:nd], flat, meta, scale)
+        prefill_attention(q, k, v, flat, meta.prefills, out, scale)
+        return out
+
+
+def _decode(q: torch.Tensor, flat: torch.Tensor, meta: TorchRefMetadata, scale: float) -> torch.Tensor:
+    bd, num_heads, head_dim = q.shape
+    kv = gather(flat, meta.decode_gather_idx)                                # [Bd, Lmax, 2, Hkv, D]
+    num_kv_heads = kv.shape[3]
+    group = num_heads // num_kv_heads
+    # NOTE: the query heads of one KV head act as SDPA's "sequence" axis, so GQA needs no K/V repeat
+    # and one batched call serves every decode.
+    qg = q.view(bd, num_kv_heads, group, head_dim)                           # [Bd, Hkv, G, D]
+    ks = kv[:, :, 0].transpose(1, 2)                                         # [Bd, Hkv, Lmax, D]
+    vs = kv[:, :, 1].transpose(1, 2)
+    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(bd, num_heads, head_dim)

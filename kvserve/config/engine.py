@@ -1,0 +1,23 @@
+"""EngineConfig: every resolved config of one engine, composed (what the worker and scheduler are built from)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.config.cache import CacheConfig
+from kvserve.config.device import DeviceConfig
+from kvserve.config.load import LoadConfig
+from kvserve.config.model import ModelConfig
+from kvserve.config.parallel import ParallelConfig
+from kvserve.config.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+    load: LoadConfig
+    seed: int = 0
+    """Seed of the default generator that unseeded requests draw from."""

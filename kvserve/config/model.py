@@ -1,0 +1,63 @@
+"""ModelConfig: which checkpoint, its Hugging Face config, the dtype it runs in and its longest sequence."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    source: Any
+    """models.loader.ModelSource: a Hugging Face folder or a GGUF file."""
+    hf_config: Any
+    """The checkpoint's transformers config, with num_key_value_heads and head_dim filled in."""
+    architecture: str
+    """A key of models.registry.ARCHITECTURES."""
+    dtype: torch.dtype
+    """Weights, activations and KV cache."""
+    max_model_len: int
+    """Longest prompt + output, in tokens."""
+    max_logprobs: int
+    """Largest `logprobs` a request may ask for."""
+    served_name: str
+    """The name outputs and the server report for this model."""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @classmethod
+    def resolve(cls, model: str | None, dtype: str, device: torch.device, max_model_len: int | None,
+                max_logprobs: int) -> "ModelConfig":
+        from kvserve.models.loader import ModelSource, load_hf_config
+        from kvserve.models.registry import resolve_architecture
+
+        source = ModelSource.resolve(model)
+        hf_config = load_hf_config(source)
+        architecture, _ = resolve_architecture(hf_config)
+        return cls(source, hf_config, architecture, resolve_dtype(dtype, device),
+                   resolve_max_model_len(hf_config, max_model_len), max_logprobs, model or "SmolLM2-135M-Instruct")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # NOTE: no native bf16 matmul on the AVX2 CPUs we target (under 1 GFLOP/s): fp32 there.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # NOTE: sliding-window attention is not implemented; within the window it equals full attention.
+        limit = min(limit, int(window))
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens")
+    return requested

@@ -1,0 +1,117 @@
+"""EngineCore: the scheduler and the workers. Takes validated EngineCoreRequests, steps, returns per-step
+deltas (EngineCoreOutput). It holds no tokenizer and produces no text: that is the front end's (Engine
+in-process, AsyncEngine in the server process).
+
+    step():  scheduler.schedule() -> executor.execute_model() -> scheduler.update()
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+from kvserve.config.engine import EngineConfig
+from kvserve.engine.core_types import EngineCoreOutput, EngineCoreRequest
+from kvserve.kv_cache.block_pool import BlockPool
+from kvserve.kv_cache.layout import KVCacheSpec
+from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
+from kvserve.request import Request, RequestStatus
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.worker.executor import UniprocExecutor
+
+logger = logging.getLogger("kvserve")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a front end needs to know about the core (validation, limits, reporting), read once."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    num_kv_blocks: int
+    block_size: int
+    max_logprobs: int
+    enable_prefix_caching: bool
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.executor = UniprocExecutor(config)
+        num_blocks = self.executor.determine_num_blocks()
+        self.kv_spec: KVCacheSpec = self.executor.init_kv_cache(num_blocks)
+        self.block_pool = BlockPool(num_blocks)
+        cache = config.cache
+        kv = KVCacheManager(self.block_pool, cache.block_size, cache.enable_prefix_caching,
+                            max_pinned_blocks=int(num_blocks * cache.max_pinned_fraction))
+        self.scheduler = Scheduler(config.scheduler, kv)
+        self._aborted: list[EngineCoreOutput] = []
+        mc = config.model
+        self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,
+                               num_blocks, cache.block_size, mc.max_logprobs, cache.enable_prefix_caching)
+
+    @staticmethod
+    def freeze_gc() -> None:
+        """For a process that keeps one engine for its lifetime (a server, a benchmark): what loading made
+        (config and module objects) lives as long as the engine; frozen, the cyclic GC stops re-scanning it
+        at every full collection, which otherwise shows up as pauses in the middle of decode steps (a
+        py-spy profile of `mixed` had 1-3% of samples in gc_collect). Not done by the constructor: a process
+        that builds many engines (tests) would never collect the old ones."""
+        gc.collect()
+        gc.freeze()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request the front end validated."""
+        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
+                          req.max_tokens, cache_salt=req.cache_salt, cache_pin=req.cache_pin)
+        request.metrics.arrival_time = req.arrival_time
+        wait_for = self.scheduler.requests.get(req.wait_for) if req.wait_for else None
+        self.scheduler.add_request(request, wait_for=wait_for)
+
+    def abort_requests(self, request_ids) -> None:
+        """Abort wherever they are; blocks are released now, and the next step reports them as "abort".
+        Unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                self._aborted.append(self.scheduler.finished_output(req))
+
+    def fail_request(self, request_id: str, error: str) -> EngineCoreOutput:
+        """Finish a request with finish_reason "error" (e.g. it could not be added)."""
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error)
+        if req is None:
+            return EngineCoreOutput(request_id, [], None, 0.0, finish_reason="error", error=error)
+        return self.scheduler.finished_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """One iteration. A failure attributable to one request (its sampling) finishes that request with
+        finish_reason "error" and the step goes on; anything else (the forward pass itself) raises: the
+        engine's state is then no longer trusted."""
+        sched_out = self.scheduler.schedule()
+        runner_out = self.executor.execute_model(sched_out)
+        outputs = self.scheduler.update(sched_out, runner_out)
+        aborted, self._aborted = self._aborted, []
+        return aborted + outputs
+
+    # ---- read-only questions ------------------------------------------------------------------------
+    def explain_prefix(self, token_ids: list[int]) -> PrefixExplanation:
+        return self.scheduler.kv.explain(token_ids)
+
+    def prefix_cache_stats(self) -> dict:
+        pool, stats, bs = self.block_pool, self.scheduler.stats, self.config.cache.block_size
+        counts = pool.counts()
+        return {"block_size": bs, "total_blocks": pool.num_blocks,
+                "cached_blocks": pool.num_cached_blocks,
+                "cached_tokens": pool.num_cached_blocks * bs,
+                "evictable_blocks": counts["cached"], "pinned_blocks": self.scheduler.kv.pins.num_pinned,
+                "max_pinned_blocks": self.scheduler.kv.pins.max_blocks,
+                "query_tokens": stats.num_prefix_query_tokens, "hit_tokens": stats.num_prefix_hit_tokens,
+                "hit_rate": stats.num_prefix_hit_tokens / max(1, stats.num_prefix_query_tokens),
+                "evictions": pool.num_evictions}

@@ -1,0 +1,49 @@
+"""Where a token's K/V lives: the KV-cache spec every layer's tensor is allocated from, and the one
+definition of a token's slot.
+
+    slot = block_id * block_size + position % block_size,  block_id = block_table[position // block_size]
+
+The backend chooses the tensor's shape (`AttentionBackend.kv_cache_shape`); the spec carries what the
+shape is made of, the cache's dtype, and room for per-block scales (a quantized cache stores one scale per
+block, head and K/V alongside the values).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kv_cache.sizing import kv_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    """The element type K/V are stored in."""
+    scale_dtype: torch.dtype | None = None
+    """Per-block scales' type for a quantized cache (int8/fp8); None: the values are stored as they are."""
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x element size (scales excluded)."""
+        return kv_bytes(self.num_layers, self.num_kv_heads, self.head_dim,
+                        torch.empty((), dtype=self.dtype).element_size())
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+
+def slot_mapping(block_table, rows, positions, block_size: int):
+    """Slots of the tokens at `positions` of the requests whose block-table rows are `rows` (numpy or torch;
+    rows and positions broadcast against each other). The only place the formula is written."""
+    return block_table[rows, positions // block_size] * block_size + positions % block_size

@@ -1,0 +1,54 @@
+"""SchedulerOutput: the scheduler's decision for one step, as a diff for the worker (vLLM v1's shape).
+
+A request's prompt, sampling parameters and blocks cross once, when it is first scheduled; after that each
+step sends only ids, token counts and newly added block ids. The worker keeps everything else in its
+persistent input batch. No `Request` object crosses, so the diff is cheap to send to another process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request scheduled for the first time."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    num_computed_tokens: int
+    """Tokens whose KV is already in the cache (prefix-cache hits)."""
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the worker already knows, one entry per list index."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    """Blocks appended this step; for a resumed request, its whole new table."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """Tokens computed this step per request (the order of this dict is the order of the batch)."""
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens to verify this step per request (none until speculative decoding lands)."""
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished or aborted since the previous step: the worker forgets them."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    """Requests preempted this step: the worker drops their rows but keeps their state (tokens, seed)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,90 @@
+"""Worker: one rank's model, KV cache and model runner — everything that holds tensors.
+
+The engine core asks it, in order: load_model(), determine_num_blocks() (how many KV blocks the memory
+budget holds), init_kv_cache(num_blocks), then execute_model(scheduler_output) every step. A tensor-
+parallel rank is a Worker built with its ShardContext; it needs nothing else from the engine.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.attention.registry import make_backend
+from kvserve.config.engine import EngineConfig
+from kvserve.kv_cache.layout import KVCacheSpec
+from kvserve.layers.linear_methods import default_method
+from kvserve.layers.parallel import ShardContext
+from kvserve.models.layer_ops import load_fused_layer_ops
+from kvserve.models.loader import build_model, iter_checkpoint_tensors
+from kvserve.models.weight_loader import load_weights
+from kvserve.scheduler.output import SchedulerOutput
+from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger("kvserve")
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, shard: ShardContext = ShardContext()):
+        self.config = config
+        self.shard = shard
+        self.device = config.device.device
+        if config.device.num_threads:
+            torch.set_num_threads(config.device.num_threads)
+        # NOTE: like vLLM, the engine seed seeds torch's default generator, which unseeded requests draw
+        # from; seeded requests own their generators and never touch it.
+        torch.manual_seed(config.seed)
+        self.model = None
+        self.backend = None
+        self.runner: ModelRunner | None = None
+
+    def load_model(self) -> None:
+        mc = self.config.model
+        self.backend = make_backend(self.config.device.attention_backend, self.device.type)
+        method = default_method(self.device, mc.dtype)
+        model = build_model(mc.hf_config, self.backend, mc.max_model_len, mc.dtype, self.device, method, self.shard)
+        load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype))
+        model.eval()
+        if self.device.type == "cpu" and mc.dtype == torch.float32 and self.backend.name != "torch_ref":
+            model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
+        self.model = model
+
+    def kv_cache_spec(self, num_blocks: int) -> KVCacheSpec:
+        cfg = self.model.config
+        attn = self.model.layers[0].self_attn
+        return KVCacheSpec(cfg.num_hidden_layers, num_blocks, self.config.cache.block_size, attn.num_kv_heads,
+                           attn.head_dim, self.config.model.dtype)
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks the budget holds: --num-gpu-blocks-override, else --kv-cache-memory on CPU, else the
+        free share of --gpu-memory-utilization on CUDA (after the weights are loaded)."""
+        cache = self.config.cache
+        per_block = self.kv_cache_spec(1).num_bytes
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            num_blocks = int((free - (1 - cache.gpu_memory_utilization) * total) // per_block)
+        else:
+            num_blocks = cache.kv_cache_memory_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV-cache budget holds no block of {per_block} bytes; raise --kv-cache-memory "
+                             "or --gpu-memory-utilization")
+        return num_blocks
+
+    def init_kv_cache(self, num_blocks: int) -> KVCacheSpec:
+        spec = self.kv_cache_spec(num_blocks)
+        self.runner = ModelRunner(self.model, self.backend, spec, self.config.scheduler.max_num_seqs,
+                                  self.config.model.max_model_len, self.device)
+        max_len = self.config.model.max_model_len
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %d bytes/token "
+            "= 2 x %d layers x %d kv_heads x %d head_dim x %d B; max concurrency at max_model_len %d: %.2fx",
+            spec.num_blocks, spec.block_size, spec.num_tokens, spec.num_bytes, spec.num_bytes / 2**30,
+            spec.bytes_per_token, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+            torch.empty((), dtype=spec.dtype).element_size(), max_len, spec.num_tokens / max_len)
+        return spec
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(out)
