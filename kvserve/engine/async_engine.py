@@ -453,14 +453,18 @@ class AsyncEngine:
         RuntimeError if the engine cannot start."""
         self._ready = asyncio.get_running_loop().create_future()
         transport = _ProcessTransport if self.use_process else _ThreadTransport
-        self._transport = transport(self.args, self._on_message)
+        if self.use_process:  # the child loads the weights while this process loads the tokenizer
+            self._transport = transport(self.args, self._on_message)
         try:
+            # NOTE: on a thread, not beside the engine thread: transformers' lazy imports are not thread-safe.
             tokenizer, hf_config = await asyncio.to_thread(_load_front_end, self.args)
         except Exception as e:
             tokenizer, hf_config = None, None
             front_error = f"{type(e).__name__}: {e}"
         else:
             front_error = None
+        if self._transport is None:
+            self._transport = transport(self.args, self._on_message)
         ready: _Ready = await self._ready
         error = ready.error or front_error
         if error is not None:
