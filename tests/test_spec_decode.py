@@ -417,10 +417,10 @@ def test_greedy_with_a_draft_model_equals_transformers_through_preemption(tiny_l
 def test_seeded_sampling_is_the_same_with_a_draft_model(tiny_llama):
     path, _ = tiny_llama
     reqs = _repetitive_requests(seed=9, num=8, max_prompt=60, max_out=24)
-    params = lambda i, m: SamplingParams(temperature=0.9, top_k=50, seed=i, max_tokens=m,
+    params = lambda i, m: SamplingParams(temperature=0.5, top_k=5, seed=i, max_tokens=m,  # noqa: E731
                                          ignore_eos=True, logprobs=1)
     outs = []
-    for spec in (None, {"method": "draft_model", "model": path, "num_speculative_tokens": 4}):
+    for spec in (None, {"method": "draft_model", "model": path, "num_speculative_tokens": 4, "adaptive": False}):
         engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=128, speculative_config=spec))
         outs.append(_run(engine, reqs, params, check_blocks=False))
     assert engine.scheduler.stats.num_spec_accepted_tokens > 0

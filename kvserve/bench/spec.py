@@ -20,8 +20,10 @@ import torch
 
 from kvserve.bench.workload import WorkloadRequest, load_workload
 from kvserve.config import EngineArgs
+from kvserve.config.engine_args import DEFAULT_SPECULATIVE_CONFIG
+from kvserve.config.speculative import SpeculativeConfig
 
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+DEFAULT_SPEC = json.loads(DEFAULT_SPECULATIVE_CONFIG)
 DEFAULT_CASES = "repeat:1,repeat:16,mixed:64"
 
 
@@ -90,7 +92,10 @@ def run(args) -> int:
 
     cases = _cases(args.cases)
     engine_args = EngineArgs.from_cli(args)
-    spec_config = engine_args.speculative_config or DEFAULT_SPEC
+    spec_config = SpeculativeConfig.parse(engine_args.speculative_config)
+    if spec_config is None:
+        raise ValueError("kvserve bench spec compares speculation off vs on: --speculative-config cannot be none")
+    spec_config = {f.name: getattr(spec_config, f.name) for f in dataclasses.fields(spec_config)}
     workloads = {name: load_workload(os.path.join(args.workloads_dir, f"{name}.jsonl")) for name, _ in cases}
     max_conc = max(c for _, c in cases)
     common = dataclasses.replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs, max_conc))

@@ -23,6 +23,10 @@ from kvserve.utils.cli_args import add_dataclass_args, dataclass_from_args
 from kvserve.utils.sizes import parse_size
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# NOTE: on by default: exact, and self-limiting where proposals are poor (`kvserve bench spec`: never slower
+# on the shared workloads; see README "Speculative decoding").
+DEFAULT_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                              '"prompt_lookup_max": 5}')
 _ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "torch_sdpa")
 
 
@@ -65,11 +69,11 @@ class EngineArgs:
         "help": "most of the KV pool that prompt-cache pins (cache_control) may hold; past it, new pins "
                 "are not made and requests still run"})
     max_logprobs: int = field(default=20, metadata={"help": "largest logprobs a request may ask for"})
-    speculative_config: str | dict | None = field(default=None, metadata={
-        "help": "speculative decoding, a JSON object as in vLLM: "
-                "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
-                "\"prompt_lookup_max\": 5}'; the draft length adapts per request unless \"adaptive\": false; "
-                "none: off"})
+    speculative_config: str | dict | None = field(default=DEFAULT_SPECULATIVE_CONFIG, metadata={
+        "help": "speculative decoding, a JSON object as in vLLM's flag: {\"method\": \"ngram\" | \"draft_model\", "
+                "\"num_speculative_tokens\": K, \"prompt_lookup_min\": .., \"prompt_lookup_max\": .., "
+                "\"model\": draft path}; the draft length adapts per request and step (down to none) unless "
+                "\"adaptive\": false; none: off"})
     seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})

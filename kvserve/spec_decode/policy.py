@@ -52,7 +52,9 @@ class StepCostModel:
             c1 = (self.snt / self.sw - mean_n * mean_t) / var_n
             c1 = min(max(c1, 0.0), mean_t / max(mean_n, 1.0))
             c0 = max(mean_t - c1 * mean_n, 1e-6)
-            return c0, c1
+            # NOTE: a token is never free (proposing, sampling, bookkeeping); a fit of noisy steps near c1 = 0
+            # would otherwise let drafts with almost no chance of acceptance through.
+            return c0, max(c1, self.prior * c0)
         c0 = mean_t / (1.0 + self.prior * mean_n)
         return c0, self.prior * c0
 

@@ -173,12 +173,17 @@ class ModelRunner:
         max_blocks = int(-(-attn_seq.max() // bs))
         num_decodes = int(np.count_nonzero(attn_q == 1))
         dev = self.device
+        groups = None
+        if num_decodes and num_drafts.any():  # which decode rows are one request's consecutive tokens
+            dec = attn_req[:num_decodes]
+            firsts = np.flatnonzero(np.concatenate(([True], dec[1:] != dec[:-1])))
+            groups = torch.from_numpy(np.append(firsts, num_decodes)).to(dev)
         attn = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(np.concatenate(([0], attn_cu))).to(dev),
             seq_lens=torch.from_numpy(attn_seq).to(dev),
             block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[attn_rows, :max_blocks])).to(dev),
             slot_mapping=torch.from_numpy(slots).to(dev), num_decodes=num_decodes, num_decode_tokens=num_decodes,
-            block_size=bs, query_lens_cpu=attn_q.tolist(), seq_lens_cpu=attn_seq.tolist())
+            block_size=bs, query_lens_cpu=attn_q.tolist(), seq_lens_cpu=attn_seq.tolist(), decode_groups=groups)
         sampling = np.flatnonzero(samples)                                                              # [S]
         num_logits = num_drafts[sampling] + 1                                                           # [S]
         ends = np.repeat(cu[sampling], num_logits)
