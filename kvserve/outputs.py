@@ -42,6 +42,10 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_draft_tokens: int = 0
+    """Speculative decoding: draft tokens the target scored for this request (all its samples)."""
+    num_accepted_tokens: int = 0
+    """Of those, how many it accepted (each one a token gained without a step of its own)."""
 
     @property
     def time_to_first_token(self) -> float | None:

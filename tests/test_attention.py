@@ -91,3 +91,27 @@ def test_prefill_chunk_matches_dense(ctx, q_len, use_kernel):
                                          v_all.repeat_interleave(2, 1).transpose(0, 1), attn_mask=mask,
                                          scale=d ** -0.5).transpose(0, 1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])
+def test_paged_decode_kernel_with_several_queries_per_sequence(block_size, num_heads, num_kv_heads):
+    """Requests verifying drafts: each sequence's consecutive query tokens in one kernel task (K/V read once)
+    equal each token run as its own decode (context up to its own position), across block boundaries."""
+    kernel = _kernel_or_skip()
+    g = torch.Generator().manual_seed(block_size * num_heads)
+    head_dim, num_blocks = 64, 64
+    cache = torch.randn((num_blocks, block_size, 2, num_kv_heads, head_dim), generator=g)
+    queries = [1, 5, 3, 2, 1]                  # per sequence
+    seq_lens = [9, 4 * block_size + 1, 5, 2, 3 * block_size]  # of each sequence's last query
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[perm.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(sum(queries), num_heads, head_dim, generator=g)
+    starts = torch.tensor([0] + torch.tensor(queries).cumsum(0).tolist())
+    grouped = kernel.paged_decode_attention(q, cache, table, torch.tensor(seq_lens), 0.125, starts)
+    rows = torch.repeat_interleave(torch.arange(len(queries)), torch.tensor(queries))
+    own = torch.tensor([n - (k - 1 - j) for n, k in zip(seq_lens, queries) for j in range(k)])
+    alone = kernel.paged_decode_attention(q, cache, table[rows].contiguous(), own, 0.125)
+    torch.testing.assert_close(grouped, alone, atol=1e-5, rtol=1e-5)

@@ -26,6 +26,10 @@ class CommonAttentionMetadata:
     block_size: int
     query_lens_cpu: list[int]      # same as diff(query_start_loc), as Python ints (no host sync to read)
     seq_lens_cpu: list[int]
+    decode_groups: torch.Tensor | None = None
+    """[S + 1] int64, or None: decode rows [decode_groups[s], decode_groups[s + 1]) are consecutive query
+    tokens of one request (it verifies draft tokens). Each row is also a complete decode on its own, so a
+    backend may ignore this; one that reads K/V once per request (cpu_paged) uses it."""
 
 
 class AttentionBackend(Protocol):

@@ -18,6 +18,7 @@ class CPUPagedMetadata:
     decode_block_table: torch.Tensor | None   # [Bd, max_blocks] int64
     decode_seq_lens: torch.Tensor | None      # [Bd] int64
     prefills: list[PrefillChunk]
+    decode_query_start: torch.Tensor | None = None  # [Bd + 1] int64 when a request has several decode rows
 
 
 class CPUPagedBackend:
@@ -33,11 +34,16 @@ class CPUPagedBackend:
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CPUPagedMetadata:
         nd = common.num_decodes
-        table = lens = None
-        if nd:
+        table = lens = starts = None
+        if nd and common.decode_groups is not None:  # one kernel task per request: its K/V read once
+            starts = common.decode_groups.contiguous()
+            table = common.block_table[starts[:-1]].contiguous()
+            lens = common.seq_lens[starts[1:] - 1].contiguous()
+        elif nd:
             table = common.block_table[:nd].contiguous()
             lens = common.seq_lens[:nd].contiguous()
-        return CPUPagedMetadata(common.slot_mapping, common.num_decode_tokens, table, lens, build_prefills(common))
+        return CPUPagedMetadata(common.slot_mapping, common.num_decode_tokens, table, lens, build_prefills(common),
+                                starts)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
@@ -46,6 +52,6 @@ class CPUPagedBackend:
         nd = meta.num_decode_tokens
         if nd:
             out[:nd] = self.kernel.paged_decode_attention(q[:nd].contiguous(), kv_cache, meta.decode_block_table,
-                                                          meta.decode_seq_lens, scale)
+                                                          meta.decode_seq_lens, scale, meta.decode_query_start)
         prefill_attention(q, k, v, flat, meta.prefills, out, scale)
         return out

@@ -8,6 +8,7 @@ from kvserve.config.load import LoadConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
 from kvserve.config.scheduler import SchedulerConfig
+from kvserve.config.speculative import SpeculativeConfig
 
 __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig",
-           "DeviceConfig", "LoadConfig"]
+           "DeviceConfig", "LoadConfig", "SpeculativeConfig"]

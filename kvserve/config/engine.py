@@ -9,6 +9,7 @@ from kvserve.config.load import LoadConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
 from kvserve.config.scheduler import SchedulerConfig
+from kvserve.config.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,5 +20,8 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     load: LoadConfig
+    speculative: SpeculativeConfig | None = None
+    draft_model: ModelConfig | None = None
+    """speculative method draft_model: the draft checkpoint (target's vocabulary, dtype and max_model_len)."""
     seed: int = 0
     """Seed of the default generator that unseeded requests draw from."""

@@ -18,10 +18,15 @@ from kvserve.config.load import LoadConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
 from kvserve.config.scheduler import SchedulerConfig
+from kvserve.config.speculative import SpeculativeConfig
 from kvserve.utils.cli_args import add_dataclass_args, dataclass_from_args
 from kvserve.utils.sizes import parse_size
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# NOTE: on by default: exact, and self-limiting where proposals are poor (`kvserve bench spec`: never slower
+# on the shared workloads; see README "Speculative decoding").
+DEFAULT_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                              '"prompt_lookup_max": 5}')
 _ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "torch_sdpa")
 
 
@@ -64,6 +69,11 @@ class EngineArgs:
         "help": "most of the KV pool that prompt-cache pins (cache_control) may hold; past it, new pins "
                 "are not made and requests still run"})
     max_logprobs: int = field(default=20, metadata={"help": "largest logprobs a request may ask for"})
+    speculative_config: str | dict | None = field(default=DEFAULT_SPECULATIVE_CONFIG, metadata={
+        "help": "speculative decoding, a JSON object as in vLLM's flag: {\"method\": \"ngram\" | \"draft_model\", "
+                "\"num_speculative_tokens\": K, \"prompt_lookup_min\": .., \"prompt_lookup_max\": .., "
+                "\"model\": draft path}; the draft length adapts per request and step (down to none) unless "
+                "\"adaptive\": false; none: off"})
     seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})
@@ -76,6 +86,7 @@ class EngineArgs:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         # NOTE: the configs that need no checkpoint validate themselves now, so a bad flag fails at once.
+        SpeculativeConfig.parse(self.speculative_config)
         self._cache_config()
         self._scheduler_config(max_model_len=self.max_model_len or 1)
 
@@ -98,6 +109,17 @@ class EngineArgs:
         """Resolve the flags into one config per concern (reads the model's config file, not its weights)."""
         device = DeviceConfig(DeviceConfig.resolve_device(self.device), self.attention_backend, self.num_threads)
         model = ModelConfig.resolve(self.model, self.dtype, device.device, self.max_model_len, self.max_logprobs)
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft = ModelConfig.resolve(speculative.model, self.dtype, device.device, None, 0)
+            if draft.vocab_size != model.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the "
+                                 f"target's ({model.vocab_size}): a draft must share the target's tokenizer")
+            if draft.max_model_len < model.max_model_len:
+                raise ValueError(f"the draft model holds {draft.max_model_len} positions, fewer than the target's "
+                                 f"max_model_len {model.max_model_len}; lower --max-model-len")
+            draft = dataclasses.replace(draft, max_model_len=model.max_model_len)
         return EngineConfig(
             model=model,
             cache=self._cache_config(),
@@ -105,6 +127,8 @@ class EngineArgs:
             parallel=ParallelConfig(),
             device=device,
             load=LoadConfig(),
+            speculative=speculative,
+            draft_model=draft,
             seed=self.seed)
 
     # ---- CLI generation -------------------------------------------------------------------

@@ -83,6 +83,11 @@ class EngineStats:
     """KV blocks held by requests' block tables (not counting blocks only prompt-cache pins hold)."""
     resident_memory_bytes: int = 0
     """Resident memory of the process the engine runs in."""
+    num_spec_drafts_total: int = 0
+    """Speculative decoding: verifications, draft tokens scored, accepted, and accepted per draft position."""
+    num_spec_draft_tokens_total: int = 0
+    num_spec_accepted_tokens_total: int = 0
+    num_spec_accepted_per_pos_total: tuple[int, ...] = ()
 
 
 @dataclass
@@ -220,7 +225,11 @@ class EngineLoop:
             num_steps_total=self._num_steps, busy_s=self._busy_s,
             num_kv_blocks_total=self.core.block_pool.num_blocks,
             num_kv_request_blocks=sched.kv.num_request_blocks,
-            resident_memory_bytes=resident_memory_bytes())
+            resident_memory_bytes=resident_memory_bytes(),
+            num_spec_drafts_total=sched.stats.num_spec_drafts,
+            num_spec_draft_tokens_total=sched.stats.num_spec_draft_tokens,
+            num_spec_accepted_tokens_total=sched.stats.num_spec_accepted_tokens,
+            num_spec_accepted_per_pos_total=tuple(sched.stats.num_spec_accepted_per_pos or ()))
 
 
 def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None],

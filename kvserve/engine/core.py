@@ -17,6 +17,7 @@ from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.spec_decode.policy import DraftLengthPolicy
 from kvserve.worker.executor import UniprocExecutor
 
 logger = logging.getLogger("kvserve")
@@ -46,7 +47,10 @@ class EngineCore:
         cache = config.cache
         kv = KVCacheManager(self.block_pool, cache.block_size, cache.enable_prefix_caching,
                             max_pinned_blocks=int(num_blocks * cache.max_pinned_fraction))
-        self.scheduler = Scheduler(config.scheduler, kv)
+        spec = config.speculative
+        policy = DraftLengthPolicy(spec.num_speculative_tokens, spec.adaptive) if spec else None
+        self.scheduler = Scheduler(config.scheduler, kv, policy,
+                                   spec_lookahead=spec is not None and spec.method == "draft_model")
         self._aborted: list[EngineCoreOutput] = []
         mc = config.model
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,

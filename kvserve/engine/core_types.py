@@ -53,6 +53,9 @@ class EngineCoreOutput:
     """The stop token id that ended the request (stop strings are the front end's)."""
     error: str | None = None
     """With finish_reason "error": what failed."""
+    num_draft_tokens: int = 0
+    """Speculative decoding, so far for this request: draft tokens scored, and accepted."""
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -144,6 +144,13 @@ class OutputProcessor:
         if out.new_token_ids:
             m.first_token_time = m.first_token_time or out.timestamp
             m.last_token_time = out.timestamp
+        m.num_draft_tokens, m.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
+        detok = sample.detok
+        # NOTE: a step may bring several tokens (speculative decoding); with stop strings they are added one
+        # at a time, so the tokens after the one that completes a stop string are dropped, as they would
+        # never have been generated one step at a time.
+        one_by_one = detok is not None and bool(detok.stop_strings) and len(out.new_token_ids) > 1
+        stopped = False
         for i, token in enumerate(out.new_token_ids):
             sample.token_ids.append(token)
             sample.new_token_ids.append(token)
@@ -151,12 +158,16 @@ class OutputProcessor:
                 entry = self._logprob_entry(out.new_logprobs[i])
                 sample.logprobs.append(entry)
                 sample.cumulative_logprob += entry[token].logprob
-        stopped = False
-        if sample.detok is not None:
-            if out.new_token_ids or out.finished:
-                stopped = sample.detok.add_tokens(out.new_token_ids, finished=out.finished)
+            if one_by_one:
+                last = i == len(out.new_token_ids) - 1
+                stopped = detok.add_tokens([token], finished=out.finished and last)
+                if stopped:
+                    break
+        if detok is not None:
+            if not one_by_one and (out.new_token_ids or out.finished):
+                stopped = detok.add_tokens(out.new_token_ids, finished=out.finished)
             if stopped:
-                sample.stop_reason = sample.detok.stop_reason
+                sample.stop_reason = detok.stop_reason
         if stopped:
             sample.finish_reason = "stop"
         elif out.finished:
@@ -232,4 +243,6 @@ def _group_metrics(group: _GroupState, finished: bool) -> RequestMetrics:
                           first_scheduled_time=first(m.first_scheduled_time for m in ms),
                           first_token_time=first(m.first_token_time for m in ms),
                           last_token_time=last(m.last_token_time for m in ms),
-                          finished_time=last(m.finished_time for m in ms) if finished else None)
+                          finished_time=last(m.finished_time for m in ms) if finished else None,
+                          num_draft_tokens=sum(m.num_draft_tokens for m in ms),
+                          num_accepted_tokens=sum(m.num_accepted_tokens for m in ms))

@@ -138,6 +138,19 @@ class KVCacheManager:
         if finished:
             self._hashes.pop(request.request_id, None)
 
+    def free_tail(self, request: Request) -> int:
+        """Return the blocks past the request's computed tokens (KV of drafts the target rejected) to the
+        pool; they hold no verified token, so none is in the prefix cache. Returns how many."""
+        table = self._tables.get(request.request_id)
+        if not table:
+            return 0
+        keep = -(-request.num_computed_tokens // self.block_size)
+        tail = table[keep:]
+        if tail:
+            del table[keep:]
+            self.pool.release(tail[::-1])
+        return len(tail)
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
 

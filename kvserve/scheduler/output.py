@@ -33,6 +33,9 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     """Blocks appended this step; for a resumed request, its whole new table."""
     num_computed_tokens: list[int] = field(default_factory=list)
+    num_kept_blocks: dict[str, int] = field(default_factory=dict)
+    """Only for requests whose table shrank (rejected drafts gave whole blocks back): the leading blocks of
+    the worker's table that stay; new_block_ids are appended after them."""
 
 
 @dataclass(slots=True)
@@ -43,7 +46,9 @@ class SchedulerOutput:
     """Tokens computed this step per request (the order of this dict is the order of the batch)."""
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    """Draft tokens to verify this step per request (none until speculative decoding lands)."""
+    """Draft tokens to verify this step per request: the runner scores 1 + len(drafts) positions for it."""
+    num_draft_tokens_to_propose: dict[str, int] = field(default_factory=dict)
+    """Per request sampling this step: how many drafts the proposer should make for its next step."""
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished or aborted since the previous step: the worker forgets them."""
     preempted_req_ids: set[str] = field(default_factory=set)

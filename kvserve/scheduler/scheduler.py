@@ -18,6 +18,7 @@ from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.scheduler.policy import WaitingOrder
+from kvserve.spec_decode.policy import DraftLengthPolicy
 from kvserve.worker.runner_output import ModelRunnerOutput
 
 
@@ -26,21 +27,35 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    num_spec_drafts: int = 0
+    """Speculative verifications (a request's drafts scored in one step)."""
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_per_pos: list[int] | None = None
+    """Per draft position j (0-based): how many verifications accepted it."""
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 spec_policy: DraftLengthPolicy | None = None, spec_lookahead: bool = False):
         self.config = config
         self.kv = kv_manager
+        self.spec_policy = spec_policy
+        """How many drafts each request should get next (speculative decoding); None: no speculation."""
+        self.spec_lookahead = spec_lookahead
+        """The proposer writes K/V at the drafts' positions (a draft model): allocate slots for them."""
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []        # in admission order
         self.stats = SchedulerStats()
+        if spec_policy is not None:
+            self.stats.num_spec_accepted_per_pos = [0] * spec_policy.max_k
         self._wait_for: dict[str, Request] = {}  # request id -> sibling whose prompt KV it will reuse
         self.order = WaitingOrder(config.policy, kv_manager)
         # What the worker knows, so that each SchedulerOutput sends only the diff.
         self._num_blocks_sent: dict[str, int] = {}  # running request -> leading table blocks sent
         self._finished_ids: set[str] = set()         # finished since the last schedule()
+        self._shrunk: set[str] = set()               # tables that gave blocks back since the worker last heard
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request, wait_for: Request | None = None) -> None:
@@ -68,6 +83,9 @@ class Scheduler:
         self._wait_for.pop(request_id, None)
         self.order.forget(request_id)
         self._num_blocks_sent.pop(request_id, None)
+        self._shrunk.discard(request_id)
+        if self.spec_policy is not None:
+            self.spec_policy.forget(request_id)
         if req.num_preemptions or req.metrics.first_scheduled_time is not None:
             self._finished_ids.add(request_id)  # the worker has seen it
         return req
@@ -90,6 +108,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.spec_token_ids:
+                self._cap_drafts(req)
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget, chunk_cap)
             if not cfg.enable_chunked_prefill and req.num_tokens - req.num_computed_tokens > budget:
                 i += 1
@@ -101,6 +121,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                if req.spec_token_ids:  # the budget may cut the drafts short: verify what fits
+                    del req.spec_token_ids[max(0, num_new - (req.num_tokens - req.num_computed_tokens)):]
                 scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
@@ -143,8 +165,11 @@ class Scheduler:
             budget -= num_new
         self.order.after_admission(self.waiting, admitted)
 
-        scheduled.sort(key=lambda entry: entry[1] != 1)  # stable: decodes first
+        # stable: decodes first (a request verifying drafts is a run of decodes to the attention backends)
+        scheduled.sort(key=lambda entry: entry[1] != 1 and not entry[0].spec_token_ids)
+        to_propose = self._drafts_to_propose(scheduled) if self.spec_policy is not None else {}
         out = self._diff(scheduled, preempted)
+        out.num_draft_tokens_to_propose = to_propose
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
         return out
@@ -161,6 +186,9 @@ class Scheduler:
                 cached.resumed_from_preemption.append(False)
                 cached.new_block_ids.append(block_ids[sent:])
                 cached.num_computed_tokens.append(req.num_computed_tokens)
+                if req.request_id in self._shrunk:
+                    cached.num_kept_blocks[req.request_id] = sent
+                    self._shrunk.discard(req.request_id)
             elif req.num_preemptions:  # back after a preemption: the worker kept its tokens, not its blocks
                 cached.req_ids.append(req.request_id)
                 cached.resumed_from_preemption.append(True)
@@ -177,6 +205,38 @@ class Scheduler:
             scheduled_spec_decode_tokens={req.request_id: list(req.spec_token_ids)
                                           for req, _ in scheduled if req.spec_token_ids},
             finished_req_ids=finished, preempted_req_ids=set(preempted))
+
+    # ---- speculative decoding ----------------------------------------------------------------
+    def _cap_drafts(self, req: Request) -> None:
+        """Never verify drafts past max_tokens (the step's own sample is one more) or max_model_len."""
+        limit = min(req.max_tokens - req.num_output_tokens - 1, self.config.max_model_len - req.num_tokens)
+        del req.spec_token_ids[max(0, limit):]
+
+    def _drafts_to_propose(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
+        """The policy's draft length for the next step of each request that samples in this one (with a
+        draft model, only where the pool has slots for the drafts' K/V)."""
+        ids, caps, new = [], [], {}
+        for req, num_new in scheduled:
+            if req.num_computed_tokens + num_new < req.num_tokens:
+                continue  # a prompt chunk short of the end: it does not sample this step
+            # After this step the request holds at least one more token, and its next step samples one more.
+            ids.append(req.request_id)
+            caps.append(min(req.max_tokens - req.num_output_tokens - 2,
+                            self.config.max_model_len - req.num_tokens - 1))
+            new[req.request_id] = (req, num_new)
+        if not ids:
+            return {}
+        base = sum(n - len(r.spec_token_ids) for r, n in scheduled)
+        ks = self.spec_policy.choose(ids, caps, base)
+        chosen = {}
+        for req_id, k in zip(ids, ks):
+            if k <= 0:
+                continue
+            req, num_new = new[req_id]
+            if self.spec_lookahead and not self.kv.allocate_slots(req, num_new + k):
+                continue  # the pool is short: no drafts rather than a preemption
+            chosen[req_id] = k
+        return chosen
 
     def _prefill_chunk_cap(self) -> int:
         """Most prompt tokens one request may compute this step.
@@ -203,7 +263,9 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req, finished=False)
         self._num_blocks_sent.pop(req.request_id, None)
+        self._shrunk.discard(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -218,6 +280,8 @@ class Scheduler:
         "error". Stop strings are the front end's; it aborts those requests.
         """
         now = time.monotonic()
+        if self.spec_policy is not None:
+            self.spec_policy.observe_step(out.total_num_scheduled_tokens, runner_out.execute_s)
         sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
         outputs = []
@@ -231,16 +295,10 @@ class Scheduler:
                 outputs.append(self._output(req, [], None, now))
                 continue
             new_ids = sampled.get(req_id, [])
+            num_drafts = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
             # NOTE: drafts the target rejected were computed but are not tokens of the request.
-            num_rejected = len(req.spec_token_ids) + 1 - len(new_ids) if new_ids and req.spec_token_ids else 0
-            req.num_computed_tokens += num_scheduled - num_rejected
+            num_rejected = num_drafts + 1 - len(new_ids) if new_ids and num_drafts else 0
             req.spec_token_ids = []
-            # Every computed token is now final (prompt, or output the sampler accepted): safe to share.
-            self.kv.cache_full_blocks(req)
-            if req.cache_pin and req.num_pinned_tokens is None and req.num_computed_tokens >= req.cache_pin[0]:
-                req.num_pinned_tokens = self.kv.pin_prefix(req, *req.cache_pin)
-            if not new_ids:
-                continue
             appended = []
             status = None
             for token in new_ids:
@@ -249,21 +307,56 @@ class Scheduler:
                 status = self._stop_status(req, token)
                 if status is not None:
                     break
+            # A stop inside the accepted drafts leaves computed KV past the request's last token.
+            req.num_computed_tokens = min(req.num_computed_tokens + num_scheduled - num_rejected, req.num_tokens)
+            # Every computed token is now final (prompt, or output the sampler accepted): safe to share.
+            self.kv.cache_full_blocks(req)
+            if req.cache_pin and req.num_pinned_tokens is None and req.num_computed_tokens >= req.cache_pin[0]:
+                req.num_pinned_tokens = self.kv.pin_prefix(req, *req.cache_pin)
+            if num_drafts and new_ids:
+                self._record_verification(req, num_drafts, len(new_ids) - 1)
+            if not new_ids:
+                continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
             if status is not None:
                 self.finish_request(req_id, status)
+            else:
+                if num_rejected and self.kv.free_tail(req):
+                    sent = self._num_blocks_sent.get(req_id)
+                    if sent is not None:
+                        self._num_blocks_sent[req_id] = min(sent, self.kv.num_blocks_held(req_id))
+                        self._shrunk.add(req_id)
+                drafts = runner_out.spec_token_ids.get(req_id)
+                if drafts:
+                    req.spec_token_ids = list(drafts)
             row_logprobs = logprobs.get(req_id)
             outputs.append(self._output(req, appended, row_logprobs[:len(appended)] if row_logprobs else None,
                                         now))
         return outputs
 
+    def _record_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        stats = self.stats
+        stats.num_spec_drafts += 1
+        stats.num_spec_draft_tokens += num_drafts
+        stats.num_spec_accepted_tokens += num_accepted
+        per_pos = stats.num_spec_accepted_per_pos
+        if per_pos is None or len(per_pos) < num_drafts:
+            per_pos = stats.num_spec_accepted_per_pos = (per_pos or []) + [0] * (num_drafts - len(per_pos or []))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+        req.metrics.num_draft_tokens += num_drafts
+        req.metrics.num_accepted_tokens += num_accepted
+        if self.spec_policy is not None:
+            self.spec_policy.observe_verification(req.request_id, num_drafts, num_accepted)
+
     @staticmethod
     def _output(req: Request, new_ids: list[int], new_logprobs, now: float) -> EngineCoreOutput:
         return EngineCoreOutput(req.request_id, new_ids, new_logprobs, now, req.metrics.first_scheduled_time,
                                 req.num_cached_tokens, req.status.finish_reason,
-                                req.stop_reason if isinstance(req.stop_reason, int) else None, req.error)
+                                req.stop_reason if isinstance(req.stop_reason, int) else None, req.error,
+                                req.metrics.num_draft_tokens, req.metrics.num_accepted_tokens)
 
     def finished_output(self, req: Request) -> EngineCoreOutput:
         """The output announcing a request finished outside update() (aborted)."""

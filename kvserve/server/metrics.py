@@ -63,6 +63,16 @@ class ServerMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.busy_seconds = counter("engine_busy_seconds", "Seconds the engine loop spent inside step().")
         self.steps = counter("engine_steps", "Engine steps run.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one request's drafts "
+                                   "scored in one step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens scored by the target.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")
+        self._spec_per_pos = Counter("kvserve:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens by position in the draft (0 = first).",
+                                     labels + ["position"], registry=r)
+        self.spec_mean_acceptance_length = gauge(
+            "spec_decode_mean_acceptance_length", "Tokens per verification so far: 1 + accepted / verifications "
+            "(1 = speculation gained nothing).")
         self._finished = Counter("kvserve:request_success", "Finished requests by finish reason.",
                                  labels + ["finished_reason"], registry=r)
         self._rejected = Counter("kvserve:request_rejected", "Requests refused before running, by reason.",
@@ -93,6 +103,7 @@ class ServerMetrics:
         self.prefix_hits.inc(stats.num_prefix_hit_tokens_total - self._last.num_prefix_hit_tokens_total)
         self.busy_seconds.inc(max(0.0, stats.busy_s - self._last.busy_s))
         self.steps.inc(stats.num_steps_total - self._last.num_steps_total)
+        self._on_spec(stats, self._last)
         self._last = stats
         it = report.iteration
         self.num_generation_tokens += it.num_generation_tokens
@@ -106,6 +117,18 @@ class ServerMetrics:
         for out in report.outputs:
             if out.finished:
                 self._on_finished(out)
+
+    def _on_spec(self, stats: EngineStats, last: EngineStats) -> None:
+        if stats.num_spec_drafts_total == last.num_spec_drafts_total:
+            return
+        self.spec_drafts.inc(stats.num_spec_drafts_total - last.num_spec_drafts_total)
+        self.spec_draft_tokens.inc(stats.num_spec_draft_tokens_total - last.num_spec_draft_tokens_total)
+        self.spec_accepted_tokens.inc(stats.num_spec_accepted_tokens_total - last.num_spec_accepted_tokens_total)
+        before = last.num_spec_accepted_per_pos_total or (0,) * len(stats.num_spec_accepted_per_pos_total)
+        for pos, (now, was) in enumerate(zip(stats.num_spec_accepted_per_pos_total, before)):
+            if now > was:
+                self._spec_per_pos.labels(self._model_name, str(pos)).inc(now - was)
+        self.spec_mean_acceptance_length.set(1 + stats.num_spec_accepted_tokens_total / stats.num_spec_drafts_total)
 
     def _on_finished(self, out) -> None:
         reason = out.outputs[0].finish_reason if out.outputs else "abort"

@@ -32,6 +32,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    num_draft_computed: int = 0
+    """Speculative draft model: leading tokens whose K/V the draft has computed (0 after a preemption)."""
 
     @property
     def num_tokens(self) -> int:
@@ -43,8 +45,10 @@ class CachedRequestState:
         p = self.sampling_params
         return p.has_penalties or bool(p.logit_bias) or len(self.output_token_ids) < p.min_tokens
 
-    def sampling_row(self) -> SamplingRow:
-        return SamplingRow(self.sampling_params, self.prompt_token_ids, self.output_token_ids, self.generator,
+    def sampling_row(self, drafts: list[int] | None = None) -> SamplingRow:
+        """The row at the request's next position, or at a draft position: after the drafts before it."""
+        outputs = self.output_token_ids + drafts if drafts else self.output_token_ids
+        return SamplingRow(self.sampling_params, self.prompt_token_ids, outputs, self.generator,
                            self.eos_token_ids)
 
 
@@ -121,12 +125,16 @@ class InputBatch:
         self.states[row].output_token_ids.append(token_id)
 
     # ---- sampling -----------------------------------------------------------------------------
-    def sampling_metadata(self, rows: np.ndarray, vocab_size: int, device: torch.device) -> SamplingMetadata:
-        """Sampling tensors for `rows` (logits row i belongs to batch row rows[i]): dense values by array
-        indexing; per-row Python only when some row needs a logits processor."""
+    def sampling_metadata(self, rows: np.ndarray, vocab_size: int, device: torch.device,
+                          draft_prefixes: list[list[int]] | None = None) -> SamplingMetadata:
+        """Sampling tensors for `rows` (logits row i belongs to batch row rows[i]; a request verifying drafts
+        has one row per scored position, draft_prefixes[i] being the drafts before it): dense values by
+        array indexing; per-row Python only when some row needs a logits processor."""
         states = [self.states[r] for r in rows]
         dense = DenseSamplingParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
                                     [s.sampling_params.logprobs for s in states])
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        sparse = [s.sampling_row() for s in states] if any(s.needs_logits_processing for s in states) else None
+        sparse = None
+        if any(s.needs_logits_processing for s in states):
+            sparse = [s.sampling_row(draft_prefixes[i] if draft_prefixes else None) for i, s in enumerate(states)]
         return SamplingMetadata.assemble(dense, generators, sparse, vocab_size, device)

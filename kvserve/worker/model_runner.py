@@ -16,8 +16,10 @@ import torch
 from kvserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from kvserve.kv_cache.layout import KVCacheSpec, slot_mapping
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.sample.rejection_sampler import accept_prefix, rewind_generator
 from kvserve.sample.sampler import Sampler
 from kvserve.scheduler.output import SchedulerOutput
+from kvserve.spec_decode.proposer import Proposer
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
 from kvserve.worker.runner_output import ModelRunnerOutput
 
@@ -32,14 +34,17 @@ class StepInputs:
     positions: torch.Tensor          # [T] int64
     attn: CommonAttentionMetadata
     logits_indices: torch.Tensor     # [N] int64: rows of the hidden states that sample
-    sample_rows: np.ndarray          # [N] batch rows of the sampling requests
-    sample_req_ids: list[str]        # [N]
+    sample_rows: np.ndarray          # [N] batch row of each logits row
+    sample_req_ids: list[str]        # [S] the sampling requests, in logits order
+    num_logits: np.ndarray           # [S] logits rows per sampling request: 1 + its drafts
+    drafts: list[list[int]]          # [S] the drafts each sampling request verifies (most have none)
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, max_num_reqs: int,
-                 max_model_len: int, device: torch.device):
+                 max_model_len: int, device: torch.device, proposer: Proposer | None = None):
         self.model = model
+        self.proposer = proposer
         self.backend = backend
         self.spec = spec
         self.device = device
@@ -57,6 +62,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        step_start = time.perf_counter()
         self.update_states(out)
         if out.is_empty:
             return ModelRunnerOutput()
@@ -66,7 +72,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)  # [T, hidden]
         if not inputs.sample_req_ids:
             self.forward_s += time.perf_counter() - start
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(execute_s=time.perf_counter() - step_start)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])                 # [N, vocab]
         self.forward_s += time.perf_counter() - start
         result = self.sample(logits, inputs)
@@ -74,7 +80,21 @@ class ModelRunner:
             row = self.batch.index[req_id]
             for token in tokens:
                 self.batch.append_token(row, token)
+        if out.num_draft_tokens_to_propose and self.proposer is not None:
+            result.spec_token_ids = self.propose(out.num_draft_tokens_to_propose, result.req_ids)
+        result.execute_s = time.perf_counter() - step_start
         return result
+
+    def propose(self, wanted: dict[str, int], sampled_req_ids: list[str]) -> dict[str, list[int]]:
+        """Drafts for the next step of the requests that sampled now and that the scheduler asked for."""
+        req_ids = [r for r in sampled_req_ids if wanted.get(r)]
+        if not req_ids:
+            return {}
+        batch = self.batch
+        rows = np.fromiter((batch.index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        ks = np.fromiter((wanted[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        drafts = self.proposer.propose(batch, rows, ks)
+        return {r: d for r, d in zip(req_ids, drafts) if d}
 
     # ---- the diff -> the persistent batch -------------------------------------------------------
     def update_states(self, out: SchedulerOutput) -> None:
@@ -100,21 +120,33 @@ class ModelRunner:
             state.num_computed_tokens = computed
             if resumed:
                 state.block_ids = list(new_blocks)
+                state.num_draft_computed = 0  # new blocks: the draft's K/V went with the old ones
                 batch.add(state)
                 continue
-            state.block_ids.extend(new_blocks)
             row = batch.index[req_id]
+            kept = cached.num_kept_blocks.get(req_id)
+            if kept is not None:  # rejected drafts gave blocks back
+                del state.block_ids[kept:]
+                batch.num_blocks[row] = kept
+            state.block_ids.extend(new_blocks)
             batch.append_blocks(row, new_blocks)
             batch.num_computed_tokens[row] = computed
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         batch, bs = self.batch, self.spec.block_size
+        spec = out.scheduled_spec_decode_tokens
         req_ids = list(out.num_scheduled_tokens)
         q_lens = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))   # [B]
-        order = np.argsort(q_lens != 1, kind="stable")  # decodes first (the backends' contract)
+        num_drafts = np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64,
+                                 count=len(req_ids)) if spec else np.zeros(len(req_ids), dtype=np.int64)
+        # decodes first (the backends' contract); a request verifying drafts is a run of decodes
+        order = np.argsort((q_lens != 1) & (num_drafts == 0), kind="stable")
         req_ids = [req_ids[i] for i in order]
-        q_lens = q_lens[order]
+        q_lens, num_drafts = q_lens[order], num_drafts[order]
         rows = np.fromiter((batch.index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))      # [B]
+        for i in np.flatnonzero(num_drafts):  # drafts sit after the request's tokens, uncounted
+            n = batch.num_tokens[rows[i]]
+            batch.token_ids[rows[i], n:n + num_drafts[i]] = spec[req_ids[i]]
         computed = batch.num_computed_tokens[rows]                                                      # [B]
         cu = np.cumsum(q_lens)
         num_tokens = int(cu[-1])
@@ -125,56 +157,106 @@ class ModelRunner:
         slots = slot_mapping(batch.block_table, token_rows, positions, bs)                             # [T]
         seq_lens = computed + q_lens                                                                    # [B]
         samples = seq_lens >= batch.num_tokens[rows]  # the step reaches the request's newest token
-        max_blocks = int(-(-seq_lens.max() // bs))
-        num_decodes = int(np.count_nonzero(q_lens == 1))
+        if num_drafts.any():
+            # Each scored draft position is a decode of its own (query length 1, context up to itself), so
+            # verification runs through the decode kernel: the attention batch has one row per such token.
+            spec_tok = num_drafts[req_idx] > 0                                                          # [T]
+            starts = np.flatnonzero(np.concatenate(([True], spec_tok[1:] | spec_tok[:-1]
+                                                    | (req_idx[1:] != req_idx[:-1]))))
+            attn_req = req_idx[starts]                                                                  # [A]
+            attn_q = np.diff(np.append(starts, num_tokens))                                            # [A]
+            attn_seq = positions[starts] + attn_q                                                       # [A]
+            attn_rows = rows[attn_req]
+        else:
+            attn_q, attn_seq, attn_rows = q_lens, seq_lens, rows
+        attn_cu = np.cumsum(attn_q)
+        max_blocks = int(-(-attn_seq.max() // bs))
+        num_decodes = int(np.count_nonzero(attn_q == 1))
         dev = self.device
+        groups = None
+        if num_decodes and num_drafts.any():  # which decode rows are one request's consecutive tokens
+            dec = attn_req[:num_decodes]
+            firsts = np.flatnonzero(np.concatenate(([True], dec[1:] != dec[:-1])))
+            groups = torch.from_numpy(np.append(firsts, num_decodes)).to(dev)
         attn = CommonAttentionMetadata(
-            query_start_loc=torch.from_numpy(np.concatenate(([0], cu))).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[rows, :max_blocks])).to(dev),
+            query_start_loc=torch.from_numpy(np.concatenate(([0], attn_cu))).to(dev),
+            seq_lens=torch.from_numpy(attn_seq).to(dev),
+            block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[attn_rows, :max_blocks])).to(dev),
             slot_mapping=torch.from_numpy(slots).to(dev), num_decodes=num_decodes, num_decode_tokens=num_decodes,
-            block_size=bs, query_lens_cpu=q_lens.tolist(), seq_lens_cpu=seq_lens.tolist())
-        sampling = np.flatnonzero(samples)
+            block_size=bs, query_lens_cpu=attn_q.tolist(), seq_lens_cpu=attn_seq.tolist(), decode_groups=groups)
+        sampling = np.flatnonzero(samples)                                                              # [S]
+        num_logits = num_drafts[sampling] + 1                                                           # [S]
+        ends = np.repeat(cu[sampling], num_logits)
+        within = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        logits_indices = ends - np.repeat(num_logits, num_logits) + within                              # [N]
+        sample_ids = [req_ids[i] for i in sampling]
         return StepInputs(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), attn,
-                          torch.from_numpy(cu[sampling] - 1).to(dev), rows[sampling],
-                          [req_ids[i] for i in sampling])
+                          torch.from_numpy(logits_indices).to(dev), np.repeat(rows[sampling], num_logits),
+                          sample_ids, num_logits, [spec.get(r, []) for r in sample_ids] if spec else
+                          [[] for _ in sample_ids])
 
     # ---- sampling -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
-        """Sample the batch in one go; if that raises, sample each row alone so that the rows that raise
-        fail alone (their request ids land in `errors`) and every other row still gets its token.
+        """Sample every logits row in one go, then keep each request's accepted drafts (see
+        sample/rejection_sampler.py). If the batch raises, each request is sampled alone so that the requests
+        that raise fail alone (their ids land in `errors`) and every other request still gets its tokens.
 
-        NOTE: seeded generators are restored before the retry, so a seeded row's token is the same whether
-        or not a batch mate failed."""
-        rows, ids = inputs.sample_rows, inputs.sample_req_ids
-        states = [self.batch.states[r] for r in rows]
+        NOTE: seeded generators are restored before the retry, so a seeded request's tokens are the same
+        whether or not a batch mate failed."""
+        rows, ids, counts = inputs.sample_rows, inputs.sample_req_ids, inputs.num_logits
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        prefixes = _draft_prefixes(inputs.drafts)
+        states = [self.batch.states[self.batch.index[r]] for r in ids]
         saved = {i: s.generator.get_state() for i, s in enumerate(states) if s.generator is not None}
         try:
-            result = self.sampler(logits, self.batch.sampling_metadata(rows, self.vocab_size, logits.device))
+            meta = self.batch.sampling_metadata(rows, self.vocab_size, logits.device, prefixes)
+            result = self.sampler(logits, meta)
         except Exception:
-            logger.exception("sampling a batch of %d failed; sampling its rows one by one", len(rows))
+            logger.exception("sampling a batch of %d failed; sampling its requests one by one", len(ids))
         else:
-            return _output(ids, result.sampled_token_ids, result.logprobs)
-        out = ModelRunnerOutput()
-        tokens, logprobs = [], []
-        for i, (row, req_id) in enumerate(zip(rows, ids)):
+            drew = {i for i in saved if int(offsets[i]) in meta.generators}
+            return self._accept(ids, inputs.drafts, offsets, result.sampled_token_ids, result.logprobs, states,
+                                saved, drew)
+        out, logprobs = ModelRunnerOutput(), []
+        for i, req_id in enumerate(ids):
+            lo, hi = int(offsets[i]), int(offsets[i + 1])
             if i in saved:
                 states[i].generator.set_state(saved[i])
             try:
-                one = self.sampler(logits[i:i + 1], self.batch.sampling_metadata(rows[i:i + 1], self.vocab_size,
-                                                                                 logits.device))
+                meta = self.batch.sampling_metadata(rows[lo:hi], self.vocab_size, logits.device,
+                                                    prefixes[lo:hi] if prefixes else None)
+                one = self.sampler(logits[lo:hi], meta)
             except Exception as e:
                 out.errors[req_id] = f"sampling failed: {type(e).__name__}: {e}"
                 continue
-            out.req_ids.append(req_id)
-            tokens.append(one.sampled_token_ids[0])
-            logprobs.append(one.logprobs[0])
-        sampled = _output(out.req_ids, tokens, logprobs)
-        sampled.errors = out.errors
-        return sampled
+            part = self._accept([req_id], [inputs.drafts[i]], np.array([0, hi - lo]), one.sampled_token_ids,
+                                one.logprobs, [states[i]], {0: saved[i]} if i in saved else {},
+                                {0} if i in saved and 0 in meta.generators else set())
+            out.req_ids += part.req_ids
+            out.sampled_token_ids += part.sampled_token_ids
+            logprobs.append(part.logprobs[0] if part.logprobs else None)
+        if any(lp is not None for lp in logprobs):
+            out.logprobs = logprobs
+        return out
+
+    def _accept(self, ids: list[str], drafts: list[list[int]], offsets: np.ndarray, tokens: list[int],
+                logprobs: list, states: list[CachedRequestState], saved: dict[int, torch.Tensor],
+                drew: set[int]) -> ModelRunnerOutput:
+        """Per request: its samples at the scored positions -> the tokens it gets."""
+        out_tokens, out_logprobs = [], []
+        for i, draft in enumerate(drafts):
+            lo, hi = int(offsets[i]), int(offsets[i + 1])
+            n = accept_prefix(tokens[lo:hi], draft) + 1 if draft else 1
+            out_tokens.append(tokens[lo:lo + n])
+            out_logprobs.append(None if logprobs[lo] is None else logprobs[lo:lo + n])
+            if i in drew and lo + n < hi:  # positions after the first rejection give their draws back
+                rewind_generator(states[i].generator, saved[i], n, self.vocab_size, self.device)
+        wanted = any(lp is not None for lp in out_logprobs)
+        return ModelRunnerOutput(list(ids), out_tokens, out_logprobs if wanted else None)
 
 
-def _output(req_ids: list[str], tokens: list[int], logprobs: list) -> ModelRunnerOutput:
-    wanted = any(lp is not None for lp in logprobs)
-    return ModelRunnerOutput(list(req_ids), [[t] for t in tokens],
-                             [None if lp is None else [lp] for lp in logprobs] if wanted else None)
+def _draft_prefixes(drafts: list[list[int]]) -> list[list[int]] | None:
+    """Per logits row: the drafts before its position (what the target conditions on there)."""
+    if not any(drafts):
+        return None
+    return [d[:j] for d in drafts for j in range(len(d) + 1)]

@@ -16,3 +16,7 @@ class ModelRunnerOutput:
     """Per request in req_ids, per token, for the requests that asked; None when none did."""
     errors: dict[str, str] = field(default_factory=dict)
     """Request id -> why sampling failed for that request alone (it gets no token)."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens proposed for each request's next step (as many as the scheduler asked, or fewer)."""
+    execute_s: float = 0.0
+    """Wall seconds of the worker's step (inputs, forward, sampling, proposing): the draft policy's cost data."""

@@ -12,13 +12,18 @@ import torch
 
 from kvserve.attention.registry import make_backend
 from kvserve.config.engine import EngineConfig
+from kvserve.config.model import ModelConfig
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.layers.linear_methods import default_method
 from kvserve.layers.parallel import ShardContext
 from kvserve.models.layer_ops import load_fused_layer_ops
+from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import build_model, iter_checkpoint_tensors
 from kvserve.models.weight_loader import load_weights
 from kvserve.scheduler.output import SchedulerOutput
+from kvserve.spec_decode.draft_model import DraftModelProposer
+from kvserve.spec_decode.ngram import NgramProposer
+from kvserve.spec_decode.proposer import Proposer
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.runner_output import ModelRunnerOutput
 
@@ -36,31 +41,39 @@ class Worker:
         # from; seeded requests own their generators and never touch it.
         torch.manual_seed(config.seed)
         self.model = None
+        self.draft_model = None
+        """speculative method draft_model: its own weights; its KV pool shares the target's block ids."""
         self.backend = None
         self.runner: ModelRunner | None = None
 
     def load_model(self) -> None:
-        mc = self.config.model
         self.backend = make_backend(self.config.device.attention_backend, self.device.type)
+        self.model = self._load(self.config.model)
+        if self.config.draft_model is not None:
+            self.draft_model = self._load(self.config.draft_model)
+
+    def _load(self, mc: ModelConfig) -> LlamaForCausalLM:
         method = default_method(self.device, mc.dtype)
         model = build_model(mc.hf_config, self.backend, mc.max_model_len, mc.dtype, self.device, method, self.shard)
         load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype))
         model.eval()
         if self.device.type == "cpu" and mc.dtype == torch.float32 and self.backend.name != "torch_ref":
             model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
-        self.model = model
+        return model
 
-    def kv_cache_spec(self, num_blocks: int) -> KVCacheSpec:
-        cfg = self.model.config
-        attn = self.model.layers[0].self_attn
-        return KVCacheSpec(cfg.num_hidden_layers, num_blocks, self.config.cache.block_size, attn.num_kv_heads,
-                           attn.head_dim, self.config.model.dtype)
+    def kv_cache_spec(self, num_blocks: int, model: LlamaForCausalLM | None = None) -> KVCacheSpec:
+        model = model or self.model
+        attn = model.layers[0].self_attn
+        return KVCacheSpec(model.config.num_hidden_layers, num_blocks, self.config.cache.block_size,
+                           attn.num_kv_heads, attn.head_dim, self.config.model.dtype)
 
     def determine_num_blocks(self) -> int:
         """KV blocks the budget holds: --num-gpu-blocks-override, else --kv-cache-memory on CPU, else the
         free share of --gpu-memory-utilization on CUDA (after the weights are loaded)."""
         cache = self.config.cache
         per_block = self.kv_cache_spec(1).num_bytes
+        if self.draft_model is not None:  # every block id holds the draft's K/V too
+            per_block += self.kv_cache_spec(1, self.draft_model).num_bytes
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
@@ -75,8 +88,9 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> KVCacheSpec:
         spec = self.kv_cache_spec(num_blocks)
+        proposer = self._make_proposer(num_blocks)
         self.runner = ModelRunner(self.model, self.backend, spec, self.config.scheduler.max_num_seqs,
-                                  self.config.model.max_model_len, self.device)
+                                  self.config.model.max_model_len, self.device, proposer)
         max_len = self.config.model.max_model_len
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %d bytes/token "
@@ -85,6 +99,15 @@ class Worker:
             spec.bytes_per_token, spec.num_layers, spec.num_kv_heads, spec.head_dim,
             torch.empty((), dtype=spec.dtype).element_size(), max_len, spec.num_tokens / max_len)
         return spec
+
+    def _make_proposer(self, num_blocks: int) -> Proposer | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return DraftModelProposer(self.draft_model, self.backend, self.kv_cache_spec(num_blocks, self.draft_model),
+                                  self.device)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)

@@ -1,5 +1,6 @@
-// Paged decode attention for CPU: one query token per sequence, K/V read in place through the block
-// table (no gathered copy of the context), in a single pass with an online softmax.
+// Paged decode attention for CPU: one query token per sequence (or a few consecutive ones: a request
+// verifying draft tokens), K/V read in place through the block table (no gathered copy of the context), in
+// a single pass with an online softmax.
 //
 // One task per sequence. A physical block is the unit of work: for each KV head, the G query heads that
 // share it are scored together (GQA: each K/V row is read once for the group), the running max/sum are
@@ -25,22 +26,24 @@ struct Geometry {
 };
 
 template <int kD>
-void attend_one(const float* q,       // [Hq, D] this sequence's query heads
+void attend_one(const float* q,       // [Q, Hq, D] this sequence's query tokens (consecutive positions)
+                int64_t Q,
                 const float* kv,      // the cache
                 const int64_t* table, // this sequence's block table
-                int64_t seq_len, int64_t d_runtime, const Geometry& g, float scale,
-                float* out,           // [Hq, D]
+                int64_t seq_len,      // context of its last query token (itself included)
+                int64_t d_runtime, const Geometry& g, float scale,
+                float* out,           // [Q, Hq, D]
                 std::vector<float>& scratch) {
   const int64_t D = kD > 0 ? kD : d_runtime;
-  const int64_t G = g.group, BS = g.block_size, Hkv = g.num_kv_heads, Hq = Hkv * G;
-  scratch.resize(static_cast<size_t>(Hq * D + G * BS + 2 * Hq));
-  float* acc = scratch.data();                // [Hq, D]
-  float* scores = acc + Hq * D;               // [G, BS], one KV head at a time
-  float* run_max = scores + G * BS;           // [Hq]
-  float* run_sum = run_max + Hq;              // [Hq]
-  std::fill(acc, acc + Hq * D, 0.0f);
-  std::fill(run_max, run_max + Hq, -INFINITY);
-  std::fill(run_sum, run_sum + Hq, 0.0f);
+  const int64_t G = g.group, BS = g.block_size, Hkv = g.num_kv_heads, Hq = Hkv * G, QG = Q * G;
+  scratch.resize(static_cast<size_t>(Q * Hq * D + QG * BS + 2 * Q * Hq));
+  float* acc = scratch.data();                // [Q, Hq, D]
+  float* scores = acc + Q * Hq * D;           // [Q, G, BS], one KV head at a time
+  float* run_max = scores + QG * BS;          // [Q, Hq]
+  float* run_sum = run_max + Q * Hq;          // [Q, Hq]
+  std::fill(acc, acc + Q * Hq * D, 0.0f);
+  std::fill(run_max, run_max + Q * Hq, -INFINITY);
+  std::fill(run_sum, run_sum + Q * Hq, 0.0f);
 
   const int64_t num_blocks = (seq_len + BS - 1) / BS;
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
@@ -55,86 +58,102 @@ void attend_one(const float* q,       // [Hq, D] this sequence's query heads
       for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off);
     }
     for (int64_t h = 0; h < Hkv; ++h) {
-      const float* qh = q + h * G * D;
       const float* kbase = base + h * D;
+      // Query i (of Q) sees the block's first n_i tokens: the causal limit of its own position.
       for (int64_t t = 0; t < n; ++t) {
         const float* __restrict k = kbase + t * g.slot_stride;
-        for (int64_t j = 0; j < G; ++j) {
-          const float* __restrict qj = qh + j * D;
-          float s = 0.0f;
-          for (int64_t d = 0; d < D; ++d) s += qj[d] * k[d];
-          scores[j * BS + t] = s * scale;
-        }
-      }
-      for (int64_t j = 0; j < G; ++j) {
-        const int64_t head = h * G + j;
-        float* s = scores + j * BS;
-        float block_max = s[0];
-        for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[t]);
-        const float new_max = std::max(run_max[head], block_max);
-        const float correction = std::exp(run_max[head] - new_max);  // exp(-inf) = 0 on the first block
-        float block_sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = std::exp(s[t] - new_max);
-          block_sum += s[t];
-        }
-        run_sum[head] = run_sum[head] * correction + block_sum;
-        run_max[head] = new_max;
-        if (correction != 1.0f) {
-          float* a = acc + head * D;
-          for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+        const int64_t first_query = std::max<int64_t>(0, blk * BS + t - (seq_len - Q));
+        for (int64_t i = first_query; i < Q; ++i) {
+          const float* qh = q + (i * Hq + h * G) * D;
+          for (int64_t j = 0; j < G; ++j) {
+            const float* __restrict qj = qh + j * D;
+            float s = 0.0f;
+            for (int64_t d = 0; d < D; ++d) s += qj[d] * k[d];
+            scores[(i * G + j) * BS + t] = s * scale;
+          }
         }
       }
       const float* vbase = base + Hkv * D + h * D;
-      for (int64_t j = 0; j < G; ++j) {
-        // NOTE: one query head at a time, over a local copy of its accumulator: with D fixed at compile
-        // time and no aliasing the compiler keeps it in vector registers across the block's tokens.
-        float a[kD > 0 ? kD : 256];
-        float* __restrict out_acc = acc + (h * G + j) * D;
-        const float* __restrict w = scores + j * BS;
-        for (int64_t d = 0; d < D; ++d) a[d] = out_acc[d];
-        for (int64_t t = 0; t < n; ++t) {
-          const float* __restrict v = vbase + t * g.slot_stride;
-          const float wt = w[t];
-          for (int64_t d = 0; d < D; ++d) a[d] += wt * v[d];
+      for (int64_t i = 0; i < Q; ++i) {
+        const int64_t n_i = std::min(n, seq_len - (Q - 1 - i) - blk * BS);
+        if (n_i <= 0) continue;  // the block lies past this query's position
+        for (int64_t j = 0; j < G; ++j) {
+          const int64_t head = i * Hq + h * G + j;
+          float* s = scores + (i * G + j) * BS;
+          float block_max = s[0];
+          for (int64_t t = 1; t < n_i; ++t) block_max = std::max(block_max, s[t]);
+          const float new_max = std::max(run_max[head], block_max);
+          const float correction = std::exp(run_max[head] - new_max);  // exp(-inf) = 0 on the first block
+          float block_sum = 0.0f;
+          for (int64_t t = 0; t < n_i; ++t) {
+            s[t] = std::exp(s[t] - new_max);
+            block_sum += s[t];
+          }
+          run_sum[head] = run_sum[head] * correction + block_sum;
+          run_max[head] = new_max;
+          // NOTE: one query head at a time, over a local copy of its accumulator: with D fixed at compile
+          // time and no aliasing the compiler keeps it in vector registers across the block's tokens.
+          float a[kD > 0 ? kD : 256];
+          float* __restrict out_acc = acc + head * D;
+          for (int64_t d = 0; d < D; ++d) a[d] = out_acc[d] * correction;
+          for (int64_t t = 0; t < n_i; ++t) {
+            const float* __restrict v = vbase + t * g.slot_stride;
+            const float wt = s[t];
+            for (int64_t d = 0; d < D; ++d) a[d] += wt * v[d];
+          }
+          for (int64_t d = 0; d < D; ++d) out_acc[d] = a[d];
         }
-        for (int64_t d = 0; d < D; ++d) out_acc[d] = a[d];
       }
     }
   }
-  for (int64_t i = 0; i < Hq; ++i) {
+  for (int64_t i = 0; i < Q * Hq; ++i) {
     const float inv = 1.0f / run_sum[i];
     for (int64_t d = 0; d < D; ++d) out[i * D + d] = acc[i * D + d] * inv;
   }
 }
 
 template <int kD>
-void attend_all(const float* qp, const float* kvp, const int64_t* bt, const int64_t* sl, int64_t B, int64_t D,
-                const Geometry& g, float scale, float* op) {
+void attend_all(const float* qp, const float* kvp, const int64_t* bt, const int64_t* sl, const int64_t* qs,
+                int64_t B, int64_t D, const Geometry& g, float scale, float* op) {
   const int64_t Hq = g.num_kv_heads * g.group;
 #pragma omp parallel
   {
     std::vector<float> scratch;  // per thread, reused across sequences
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b) {
-      attend_one<kD>(qp + b * Hq * D, kvp, bt + b * g.max_blocks, sl[b], D, g, scale, op + b * Hq * D, scratch);
+      const int64_t first = qs ? qs[b] : b, num = qs ? qs[b + 1] - qs[b] : 1;
+      attend_one<kD>(qp + first * Hq * D, num, kvp, bt + b * g.max_blocks, sl[b], D, g, scale,
+                     op + first * Hq * D, scratch);
     }
   }
 }
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, Hq, D] float32, contiguous
+// query_start (optional, [B + 1] int64): sequence b has the query tokens q[query_start[b]:query_start[b+1]]
+// at consecutive positions ending at seq_lens[b] - 1 (a request verifying draft tokens: each K/V row is
+// read once for all of them); absent: one query token per sequence.
+torch::Tensor paged_decode_attention(torch::Tensor q,            // [T, Hq, D] float32, contiguous
                                      torch::Tensor kv,           // [num_blocks, block_size, 2, Hkv, D]
                                      torch::Tensor block_table,  // [B, max_blocks] int64
                                      torch::Tensor seq_lens,     // [B] int64
-                                     double scale) {
+                                     double scale,
+                                     c10::optional<torch::Tensor> query_start) {
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode_attention: inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kv.scalar_type() == torch::kFloat32, "float32 only");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "block_table and seq_lens must be int64");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t B = seq_lens.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t* qs = nullptr;
+  if (query_start.has_value()) {
+    TORCH_CHECK(query_start->is_contiguous() && query_start->scalar_type() == torch::kInt64 &&
+                    query_start->size(0) == B + 1, "query_start must be [B + 1] int64");
+    qs = query_start->data_ptr<int64_t>();
+    TORCH_CHECK(qs[B] == q.size(0), "query_start must end at the number of query tokens");
+  } else {
+    TORCH_CHECK(q.size(0) == B, "one query token per sequence without query_start");
+  }
   const int64_t BS = kv.size(1), Hkv = kv.size(3);
   TORCH_CHECK(kv.size(4) == D && Hq % Hkv == 0, "paged_decode_attention: head shapes do not match");
   TORCH_CHECK(D <= 256, "paged_decode_attention: head_dim above 256 is not supported");
@@ -147,15 +166,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, Hq, D] f
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   if (D == 64) {
-    attend_all<64>(qp, kvp, bt, sl, B, D, g, fscale, op);
+    attend_all<64>(qp, kvp, bt, sl, qs, B, D, g, fscale, op);
   } else if (D == 128) {
-    attend_all<128>(qp, kvp, bt, sl, B, D, g, fscale, op);
+    attend_all<128>(qp, kvp, bt, sl, qs, B, D, g, fscale, op);
   } else {
-    attend_all<0>(qp, kvp, bt, sl, B, D, g, fscale, op);
+    attend_all<0>(qp, kvp, bt, sl, qs, B, D, g, fscale, op);
   }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)",
+        py::arg("q"), py::arg("kv"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("query_start") = py::none());
 }
