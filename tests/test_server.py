@@ -440,3 +440,21 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_llama, tmp_path):
         assert srv.proc.wait(30) == 0, srv.log()
     finally:
         stop_server(srv)
+
+
+def test_speculative_decoding_streams_the_same_text_and_is_counted(server, http, client, model):
+    """Speculation is on by default (ngram): a step may bring several tokens; the stream still carries
+    exactly the whole response's text, and the drafts show in the metrics."""
+    import re
+
+    prompt = "one two three four five six seven " * 12
+    params = dict(model=model, prompt=prompt, max_tokens=64, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**params)
+    chunks = list(client.completions.create(**params, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    text = httpx.get(f"{server.base_url}/metrics").text
+    drafted = re.search(r'^kvserve:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$', text, re.M)
+    accepted = re.search(r'^kvserve:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$', text, re.M)
+    assert drafted and accepted and float(drafted.group(1)) > 0
+    assert 0 <= float(accepted.group(1)) <= float(drafted.group(1))
+    assert "kvserve:spec_decode_mean_acceptance_length" in text
