@@ -136,6 +136,16 @@ def test_more_adapters_than_slots_swap_and_stay_exact(lora_setup):
     assert lora.num_disk_loads > len(requests)      # the host cache (2 adapters) evicted and reloaded
 
 
+def test_preemption_with_adapters_recomputes_the_same_tokens(lora_setup):
+    path, requests, prompts, oracle, _ = lora_setup
+    engine = _engine(path, max_loras=2, num_gpu_blocks_override=12, speculative_config=None)
+    keys = _add_all(engine, requests, prompts)
+    finished = _run(engine)
+    assert engine.scheduler.stats.num_preemptions > 0
+    for rid, key in keys.items():
+        assert finished[rid].outputs[0].token_ids == oracle[key], key
+
+
 def test_llm_generate_takes_one_lora_request_per_prompt(lora_setup):
     path, requests, prompts, oracle, _ = lora_setup
     llm = LLM(path, enable_lora=True, max_loras=2, num_gpu_blocks_override=128, block_size=8)
