@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestMetrics
 from kvserve.sampling_params import SamplingParams
 
@@ -48,6 +49,8 @@ class Request:
     """Part of the prefix-cache key: only requests with the same salt share KV blocks."""
     cache_pin: tuple[int, float] | None = None
     """(prefix tokens, TTL seconds): pin the KV of this many leading tokens once computed (prompt caching)."""
+    lora_request: LoRARequest | None = None
+    """The adapter it runs with; None: the base model. Part of the prefix-cache key."""
     num_pinned_tokens: int | None = None
     """Set once the pin was applied: tokens actually pinned (full blocks, within the pin bound)."""
     status: RequestStatus = RequestStatus.WAITING
@@ -62,6 +65,11 @@ class Request:
     error: str | None = None
     """Why the request failed (status FINISHED_ERROR)."""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,10 +5,11 @@ from kvserve.config.device import DeviceConfig
 from kvserve.config.engine import EngineConfig
 from kvserve.config.engine_args import EngineArgs
 from kvserve.config.load import LoadConfig
+from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.config.speculative import SpeculativeConfig
 
 __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig",
-           "DeviceConfig", "LoadConfig", "SpeculativeConfig"]
+           "DeviceConfig", "LoadConfig", "LoRAConfig", "SpeculativeConfig"]

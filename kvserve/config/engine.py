@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from kvserve.config.cache import CacheConfig
 from kvserve.config.device import DeviceConfig
 from kvserve.config.load import LoadConfig
+from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
 from kvserve.config.scheduler import SchedulerConfig
@@ -23,5 +24,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     draft_model: ModelConfig | None = None
     """speculative method draft_model: the draft checkpoint (target's vocabulary, dtype and max_model_len)."""
+    lora: LoRAConfig | None = None
+    """enable_lora: adapter slots and limits; None: the base model only."""
     seed: int = 0
     """Seed of the default generator that unseeded requests draw from."""

@@ -15,6 +15,7 @@ from kvserve.config.cache import CacheConfig
 from kvserve.config.device import DeviceConfig
 from kvserve.config.engine import EngineConfig
 from kvserve.config.load import LoadConfig
+from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
 from kvserve.config.scheduler import SchedulerConfig
@@ -74,6 +75,13 @@ class EngineArgs:
                 "\"num_speculative_tokens\": K, \"prompt_lookup_min\": .., \"prompt_lookup_max\": .., "
                 "\"model\": draft path}; the draft length adapts per request and step (down to none) unless "
                 "\"adaptive\": false; none: off"})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve PEFT LoRA adapters (a request names one with a LoRARequest); off: the base model only"})
+    max_loras: int = field(default=1, metadata={
+        "help": "LoRA adapters resident at once: the most distinct adapters in one step"})
+    max_lora_rank: int = field(default=16, metadata={"help": "largest LoRA rank an adapter may have"})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "LoRA adapters kept loaded in host memory (LRU); default: max_loras"})
     seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})
@@ -89,6 +97,12 @@ class EngineArgs:
         SpeculativeConfig.parse(self.speculative_config)
         self._cache_config()
         self._scheduler_config(max_model_len=self.max_model_len or 1)
+        self._lora_config()
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.gpu_memory_utilization,
@@ -129,6 +143,7 @@ class EngineArgs:
             load=LoadConfig(),
             speculative=speculative,
             draft_model=draft,
+            lora=self._lora_config(),
             seed=self.seed)
 
     # ---- CLI generation -------------------------------------------------------------------

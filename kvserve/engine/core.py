@@ -50,7 +50,8 @@ class EngineCore:
         spec = config.speculative
         policy = DraftLengthPolicy(spec.num_speculative_tokens, spec.adaptive) if spec else None
         self.scheduler = Scheduler(config.scheduler, kv, policy,
-                                   spec_lookahead=spec is not None and spec.method == "draft_model")
+                                   spec_lookahead=spec is not None and spec.method == "draft_model",
+                                   max_loras=config.lora.max_loras if config.lora else None)
         self._aborted: list[EngineCoreOutput] = []
         mc = config.model
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,
@@ -70,7 +71,8 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request the front end validated."""
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
-                          req.max_tokens, cache_salt=req.cache_salt, cache_pin=req.cache_pin)
+                          req.max_tokens, cache_salt=req.cache_salt, cache_pin=req.cache_pin,
+                          lora_request=req.lora_request)
         request.metrics.arrival_time = req.arrival_time
         wait_for = self.scheduler.requests.get(req.wait_for) if req.wait_for else None
         self.scheduler.add_request(request, wait_for=wait_for)

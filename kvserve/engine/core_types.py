@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.lora.request import LoRARequest
 from kvserve.sample.sampler import RowLogprobs
 from kvserve.sampling_params import SamplingParams
 
@@ -31,6 +32,8 @@ class EngineCoreRequest:
     """(prefix tokens, TTL seconds) to pin in the prefix cache once computed (prompt caching)."""
     wait_for: str | None = None
     """A sibling whose prompt KV this one reuses: not admitted before that prompt is computed."""
+    lora_request: LoRARequest | None = None
+    """The adapter to run with (checked at admission); None: the base model."""
 
 
 @dataclass(slots=True)

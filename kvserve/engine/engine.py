@@ -15,6 +15,8 @@ from kvserve.config import EngineArgs
 from kvserve.engine.core import EngineCore
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.processor import Processor, eos_token_ids
+from kvserve.lora.checker import AdapterChecker
+from kvserve.lora.request import LoRARequest
 from kvserve.models.loader import load_tokenizer
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -28,8 +30,9 @@ class Engine:
         self.config = args.create_engine_config()
         self.core = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config.model.source)
+        adapters = AdapterChecker(self.config.model.hf_config, self.config.lora) if self.config.lora else None
         self.processor = Processor(self.tokenizer, self.core.info,
-                                   eos_token_ids(self.config.model.hf_config, self.tokenizer))
+                                   eos_token_ids(self.config.model.hf_config, self.tokenizer), adapters)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     # ---- what callers read ---------------------------------------------------------------------------
@@ -69,17 +72,18 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     prompt_text: str | None = None, arrival_time: float | None = None,
-                    cache_pin: tuple[int, float] | None = None) -> None:
+                    cache_pin: tuple[int, float] | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a request (n samples become n core requests). Raises ValueError if it cannot run.
 
         cache_pin: (prefix tokens, TTL seconds) — keep the KV of that prefix cached (pinned) for TTL
-        seconds after its last use (Anthropic-style prompt caching)."""
+        seconds after its last use (Anthropic-style prompt caching). lora_request: run with this adapter
+        (needs enable_lora)."""
         params = params or SamplingParams()
         if self.output_processor.sample_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize_prompt(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children = self.processor.make_requests(request_id, token_ids, params, arrival, cache_pin)
+        children = self.processor.make_requests(request_id, token_ids, params, arrival, cache_pin, lora_request)
         if any(c.request_id in self.core.scheduler.requests for c in children):
             raise ValueError(f"request id {request_id!r} is already in use")
         if prompt_text is None and isinstance(prompt, str):

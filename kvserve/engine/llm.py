@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,9 +30,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt (text or token ids) to completion; outputs come back in input order.
 
+        lora_request: one adapter for every prompt, or a list with one (or None: the base model) per prompt.
         All requests are validated before any is queued, so a bad one raises ValueError and leaves
         the engine as it was."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -48,19 +51,26 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling_params must be SamplingParams or a list of them")
         params = [p if p.output_kind == final else p.clone(output_kind=final) for p in params]
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         token_ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
             ids = self.engine.tokenize_prompt(prompt)
             try:
                 self.engine.validate(ids, p)
+                if lora is not None:
+                    self.engine.processor.check_lora(lora)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             token_ids.append(ids)
         order = {}
-        for prompt, ids, p in zip(prompts, token_ids, params):
+        for prompt, ids, p, lora in zip(prompts, token_ids, params, loras):
             rid = str(next(self._ids))
             order[rid] = len(order)
-            self.engine.add_request(rid, ids, p, prompt_text=prompt if isinstance(prompt, str) else None)
+            self.engine.add_request(rid, ids, p, prompt_text=prompt if isinstance(prompt, str) else None,
+                                    lora_request=lora)
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],

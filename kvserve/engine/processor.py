@@ -8,6 +8,8 @@ import time
 from kvserve.engine.core import EngineInfo
 from kvserve.engine.core_types import EngineCoreRequest
 from kvserve.kv_cache.manager import PrefixExplanation
+from kvserve.lora.checker import AdapterChecker
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -37,10 +39,13 @@ def eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
 
 
 class Processor:
-    def __init__(self, tokenizer, info: EngineInfo, eos_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, info: EngineInfo, eos_ids: tuple[int, ...],
+                 adapters: AdapterChecker | None = None):
         self.tokenizer = tokenizer
         self.info = info
         self.eos_token_ids = eos_ids
+        self.adapters = adapters
+        """Checks LoRA requests (None: the engine serves no adapters)."""
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Text -> token ids (with the tokenizer's BOS rules); token ids are checked against the vocabulary."""
@@ -77,10 +82,13 @@ class Processor:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None,
-                      cache_pin: tuple[int, float] | None = None) -> list[EngineCoreRequest]:
+                      cache_pin: tuple[int, float] | None = None,
+                      lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
         """Validate, then one EngineCoreRequest per sample (the samples share the prompt's KV: later ones
         wait for the first to compute it). Raises ValueError."""
         max_tokens = self.validate(prompt_token_ids, params)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         first = child_request_id(request_id, 0, params.n)
         children = []
@@ -93,8 +101,15 @@ class Processor:
             children.append(EngineCoreRequest(
                 child_request_id(request_id, i, params.n), list(prompt_token_ids), child_params,
                 self.eos_token_ids, max_tokens, arrival, cache_salt=salt,
-                cache_pin=cache_pin if i == 0 else None, wait_for=first if i else None))
+                cache_pin=cache_pin if i == 0 else None, wait_for=first if i else None,
+                lora_request=lora_request))
         return children
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raises ValueError if the engine cannot run this adapter."""
+        if self.adapters is None:
+            raise ValueError("a LoRA adapter was requested, but this engine serves none (enable_lora=True)")
+        self.adapters.check(lora_request)
 
     def explain(self, ex: PrefixExplanation, token_ids: list[int], snippet_tokens: int = 8) -> dict:
         """A prefix explanation with text snippets on each side of where the prompt and the closest cached

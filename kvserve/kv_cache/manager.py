@@ -2,8 +2,9 @@
 
 A full block's key is (hash of the previous block's key, its tokens, extra key), so equal keys mean equal
 prefixes; the dict lookup compares the tokens exactly, so only a 64-bit collision of the parent hash could
-alias two prefixes. The extra key (`Request.cache_salt`, later the LoRA id) keeps KV that must not be shared
-apart. With prefix caching off, only requests given the same salt (the n samples of one prompt) share.
+alias two prefixes. The extra key (`Request.cache_salt`, and with an adapter `(cache_salt, lora_int_id)`)
+keeps KV that must not be shared apart: the same tokens under two adapters have different K/V. With prefix
+caching off, only requests given the same salt (the n samples of one prompt) share.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class KVCacheManager:
 
     def _block_keys(self, request: Request, num_full_blocks: int) -> list[Hashable]:
         keys = self._hashes.setdefault(request.request_id, [])
-        _extend_keys(keys, request.token_slice, num_full_blocks, self.block_size, request.cache_salt)
+        _extend_keys(keys, request.token_slice, num_full_blocks, self.block_size, extra_key(request))
         return keys
 
     # ---- admission ----------------------------------------------------------------------
@@ -186,6 +187,14 @@ class KVCacheManager:
         assert self.pins.num_pinned <= self.pins.max_blocks
         for bid in self.pins.holders():
             assert self.pool.blocks[bid].block_hash is not None, f"pinned block {bid} is not cached"
+
+
+def extra_key(request: Request) -> Hashable:
+    """What besides the tokens keys a request's blocks. NOTE: the base model keeps the bare salt, so its keys
+    (and `explain`, which knows only salts) are the same whether or not LoRA is enabled."""
+    if not request.lora_int_id:
+        return request.cache_salt
+    return (request.cache_salt, request.lora_int_id)
 
 
 def _extend_keys(keys: list[Hashable], token_slice: Callable[[int, int], list[int]], num_full_blocks: int,

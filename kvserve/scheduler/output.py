@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -22,6 +23,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     """Tokens whose KV is already in the cache (prefix-cache hits)."""
+    lora_request: LoRARequest | None = None
+    """The adapter the worker runs this request with (it loads it into a slot when needed)."""
 
 
 @dataclass(slots=True)

@@ -37,13 +37,17 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 spec_policy: DraftLengthPolicy | None = None, spec_lookahead: bool = False):
+                 spec_policy: DraftLengthPolicy | None = None, spec_lookahead: bool = False,
+                 max_loras: int | None = None):
         self.config = config
         self.kv = kv_manager
         self.spec_policy = spec_policy
         """How many drafts each request should get next (speculative decoding); None: no speculation."""
         self.spec_lookahead = spec_lookahead
         """The proposer writes K/V at the drafts' positions (a draft model): allocate slots for them."""
+        self.max_loras = max_loras
+        """Most distinct LoRA adapters among running requests (so in any step); None: no limit (LoRA off:
+        the front end admits no adapter requests then)."""
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []        # in admission order
@@ -134,8 +138,11 @@ class Scheduler:
         if not preempted:
             self.order.reorder(self.waiting)
         admitted: list[Request] = []
+        running_loras = {r.lora_int_id for r in self.running} - {0}
         while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
+            if not self._lora_fits(req, running_loras):
+                break  # NOTE: FCFS: it waits for a slot at the head of the queue, so it cannot starve
             sibling = self._wait_for.get(req.request_id)
             if sibling is not None:
                 if not sibling.is_finished and sibling.num_computed_tokens < sibling.num_prompt_tokens:
@@ -160,6 +167,8 @@ class Scheduler:
                 self.stats.num_prefix_hit_tokens += num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora_int_id:
+                running_loras.add(req.lora_int_id)
             admitted.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
@@ -173,6 +182,13 @@ class Scheduler:
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
         return out
+
+    def _lora_fits(self, req: Request, running_loras: set[int]) -> bool:
+        """Whether admitting req keeps the running requests within max_loras distinct adapters. Every step
+        schedules running requests only, so no step needs more adapters than the worker has slots."""
+        if not req.lora_int_id or req.lora_int_id in running_loras:
+            return True
+        return self.max_loras is None or len(running_loras) < self.max_loras
 
     def _diff(self, scheduled: list[tuple[Request, int]], preempted: list[str]) -> SchedulerOutput:
         """What the worker needs to know about this step and does not know yet."""
@@ -196,7 +212,8 @@ class Scheduler:
                 cached.num_computed_tokens.append(req.num_computed_tokens)
             else:
                 new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                          req.eos_token_ids, block_ids, req.num_computed_tokens))
+                                          req.eos_token_ids, block_ids, req.num_computed_tokens,
+                                          req.lora_request))
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new, scheduled_cached_reqs=cached,
@@ -382,6 +399,9 @@ class Scheduler:
         assert len(ids) == len(set(ids)) == len(self.requests), "a request is queued twice or lost"
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
+        loras = {r.lora_int_id for r in self.running} - {0}
+        assert self.max_loras is None or len(loras) <= self.max_loras, (
+            f"{len(loras)} adapters running, max_loras {self.max_loras}")
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert self.kv.num_blocks_held(r.request_id) == 0, f"waiting {r.request_id} holds blocks"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvserve.lora.request import LoRARequest
 from kvserve.sample.metadata import DenseSamplingParams, SamplingMetadata, SamplingRow
 from kvserve.sampling_params import SamplingParams
 
@@ -34,6 +35,8 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     num_draft_computed: int = 0
     """Speculative draft model: leading tokens whose K/V the draft has computed (0 after a preemption)."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with; None: the base model."""
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +70,7 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)                                   # [R]
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)                                  # [R]
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)                                 # [R]
+        self.lora_int_id = np.zeros(max_num_reqs, dtype=np.int64)                             # [R] 0: base
 
     @property
     def num_reqs(self) -> int:
@@ -89,6 +93,7 @@ class InputBatch:
         p = state.sampling_params
         self.temperature[row], self.top_k[row] = p.temperature, p.effective_top_k
         self.top_p[row], self.min_p[row] = p.top_p, p.min_p
+        self.lora_int_id[row] = state.lora_request.lora_int_id if state.lora_request is not None else 0
         return row
 
     def remove(self, req_id: str) -> None:
@@ -104,7 +109,7 @@ class InputBatch:
             b = self.num_blocks[last]
             self.block_table[row, :b] = self.block_table[last, :b]
             for array in (self.num_tokens, self.num_computed_tokens, self.num_blocks, self.temperature,
-                          self.top_k, self.top_p, self.min_p):
+                          self.top_k, self.top_p, self.min_p, self.lora_int_id):
                 array[row] = array[last]
         self.req_ids.pop()
         self.states.pop()

@@ -15,6 +15,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from kvserve.kv_cache.layout import KVCacheSpec, slot_mapping
+from kvserve.lora.manager import LoRAManager
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sample.rejection_sampler import accept_prefix, rewind_generator
 from kvserve.sample.sampler import Sampler
@@ -38,13 +39,17 @@ class StepInputs:
     sample_req_ids: list[str]        # [S] the sampling requests, in logits order
     num_logits: np.ndarray           # [S] logits rows per sampling request: 1 + its drafts
     drafts: list[list[int]]          # [S] the drafts each sampling request verifies (most have none)
+    token_lora_ids: np.ndarray       # [T] each token's LoRA adapter id (0: the base model)
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, max_num_reqs: int,
-                 max_model_len: int, device: torch.device, proposer: Proposer | None = None):
+                 max_model_len: int, device: torch.device, proposer: Proposer | None = None,
+                 lora: LoRAManager | None = None):
         self.model = model
         self.proposer = proposer
+        self.lora = lora
+        """Adapter slots (enable_lora): set before each forward pass with the step's token -> adapter map."""
         self.backend = backend
         self.spec = spec
         self.device = device
@@ -67,6 +72,8 @@ class ModelRunner:
         if out.is_empty:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(out)
+        if self.lora is not None:
+            self.lora.set_step(inputs.token_lora_ids, self._step_adapters(out))
         attn_meta = self.backend.build_metadata(inputs.attn)
         start = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)  # [T, hidden]
@@ -84,6 +91,15 @@ class ModelRunner:
             result.spec_token_ids = self.propose(out.num_draft_tokens_to_propose, result.req_ids)
         result.execute_s = time.perf_counter() - step_start
         return result
+
+    def _step_adapters(self, out: SchedulerOutput) -> dict:
+        """Adapter id -> LoRARequest of the requests in this step (at most max_loras: the scheduler's rule)."""
+        adapters = {}
+        for req_id in out.num_scheduled_tokens:
+            lora = self.requests[req_id].lora_request
+            if lora is not None:
+                adapters[lora.lora_int_id] = lora
+        return adapters
 
     def propose(self, wanted: dict[str, int], sampled_req_ids: list[str]) -> dict[str, list[int]]:
         """Drafts for the next step of the requests that sampled now and that the scheduler asked for."""
@@ -110,7 +126,8 @@ class ModelRunner:
             seed = new.sampling_params.seed
             generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
             state = CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_ids,
-                                       generator, list(new.block_ids), new.num_computed_tokens)
+                                       generator, list(new.block_ids), new.num_computed_tokens,
+                                       lora_request=new.lora_request)
             self.requests[new.req_id] = state
             batch.add(state)
         cached = out.scheduled_cached_reqs
@@ -193,7 +210,7 @@ class ModelRunner:
         return StepInputs(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), attn,
                           torch.from_numpy(logits_indices).to(dev), np.repeat(rows[sampling], num_logits),
                           sample_ids, num_logits, [spec.get(r, []) for r in sample_ids] if spec else
-                          [[] for _ in sample_ids])
+                          [[] for _ in sample_ids], batch.lora_int_id[token_rows])
 
     # ---- sampling -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:

@@ -15,7 +15,9 @@ from kvserve.config.engine import EngineConfig
 from kvserve.config.model import ModelConfig
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.layers.linear_methods import default_method
+from kvserve.layers.lora import LoRABatch, LoRAMethod
 from kvserve.layers.parallel import ShardContext
+from kvserve.lora.manager import LoRAManager
 from kvserve.models.layer_ops import load_fused_layer_ops
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import build_model, iter_checkpoint_tensors
@@ -45,15 +47,24 @@ class Worker:
         """speculative method draft_model: its own weights; its KV pool shares the target's block ids."""
         self.backend = None
         self.runner: ModelRunner | None = None
+        self.lora: LoRAManager | None = None
+        """enable_lora: the target model's adapter slots (the draft model never runs adapters)."""
 
     def load_model(self) -> None:
         self.backend = make_backend(self.config.device.attention_backend, self.device.type)
-        self.model = self._load(self.config.model)
+        lora = self.config.lora
+        batch = LoRABatch() if lora is not None else None
+        self.model = self._load(self.config.model, batch)
+        if lora is not None:
+            self.lora = LoRAManager(self.model, batch, lora, self.config.model.hf_config, self.device)
         if self.config.draft_model is not None:
             self.draft_model = self._load(self.config.draft_model)
 
-    def _load(self, mc: ModelConfig) -> LlamaForCausalLM:
+    def _load(self, mc: ModelConfig, lora_batch: LoRABatch | None = None) -> LlamaForCausalLM:
         method = default_method(self.device, mc.dtype)
+        if lora_batch is not None:
+            lora = self.config.lora
+            method = LoRAMethod(method, lora_batch, lora.max_loras, lora.max_lora_rank)
         model = build_model(mc.hf_config, self.backend, mc.max_model_len, mc.dtype, self.device, method, self.shard)
         load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype))
         model.eval()
@@ -90,7 +101,7 @@ class Worker:
         spec = self.kv_cache_spec(num_blocks)
         proposer = self._make_proposer(num_blocks)
         self.runner = ModelRunner(self.model, self.backend, spec, self.config.scheduler.max_num_seqs,
-                                  self.config.model.max_model_len, self.device, proposer)
+                                  self.config.model.max_model_len, self.device, proposer, self.lora)
         max_len = self.config.model.max_model_len
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %d bytes/token "
