@@ -16,6 +16,7 @@ _BENCH = {
     "offline": ("kvserve.bench.offline", "offline throughput vs transformers, same run"),
     "serve": ("kvserve.bench.serve", "replay a workload against an OpenAI-compatible server"),
     "prefix": ("kvserve.bench.prefix", "a shared-prefix workload offline, prefix caching on vs off, same run"),
+    "lora": ("kvserve.bench.lora", "a workload over N LoRA adapters: multi-LoRA vs the base model vs one engine per adapter"),
     "spec": ("kvserve.bench.spec", "speculative decoding off vs on (repeat at concurrency 1 and 16, mixed), same run"),
     "steps": ("kvserve.bench.steps", "time each engine step of a workload, by kind of step (where time goes)"),
     "soak": ("kvserve.bench.soak", "a fault soak: random, partly hostile traffic for M minutes, then leak checks"),

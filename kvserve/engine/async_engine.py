@@ -34,6 +34,8 @@ from kvserve.config import EngineArgs
 from kvserve.engine.core import EngineCore, EngineInfo
 from kvserve.engine.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.engine.output_processor import IterationStats, OutputProcessor
+from kvserve.lora.checker import AdapterChecker
+from kvserve.lora.request import LoRARequest
 from kvserve.engine.processor import Processor, eos_token_ids
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
@@ -482,7 +484,9 @@ class AsyncEngine:
             transport.join(5.0)
             raise RuntimeError(f"engine failed to start: {error}")
         self.info, self.tokenizer = ready.info, tokenizer
-        self.processor = Processor(tokenizer, ready.info, eos_token_ids(hf_config, tokenizer))
+        lora = self.args._lora_config()
+        self.processor = Processor(tokenizer, ready.info, eos_token_ids(hf_config, tokenizer),
+                                   AdapterChecker(hf_config, lora) if lora else None)
         self.output_processor = OutputProcessor(tokenizer)
         return self.info
 
@@ -522,13 +526,14 @@ class AsyncEngine:
     # ---- requests -------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           prompt_text: str | None = None, cache_pin: tuple[int, float] | None = None,
-                          deadline: float | None = None) -> RequestStream:
+                          deadline: float | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request. Raises ValueError (it cannot run on this engine: the message says why),
         EngineOverloadedError (over capacity) or EngineDeadError. A failure inside the core later ends
         the stream with an output whose finish_reason is "error".
 
         cache_pin: (prefix tokens, TTL seconds) to pin in the prefix cache (see Engine.add_request).
-        deadline: event-loop time (loop.time()) after which the request is aborted (RequestStream)."""
+        deadline: event-loop time (loop.time()) after which the request is aborted (RequestStream).
+        lora_request: run with this adapter (checked here, once per adapter id; see check_lora)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._streams:
@@ -538,7 +543,8 @@ class AsyncEngine:
                 f"the server is at capacity ({self._num_inflight_seqs} sequences in flight; at most "
                 f"{self.args.max_num_seqs} running + {self.max_queue_len} waiting); retry later")
         arrival = time.monotonic()
-        children = self.processor.make_requests(request_id, list(prompt_token_ids), params, arrival, cache_pin)
+        children = self.processor.make_requests(request_id, list(prompt_token_ids), params, arrival, cache_pin,
+                                                lora_request)
         self.output_processor.add_group(request_id, prompt_text, prompt_token_ids,
                                         [c.request_id for c in children], params, arrival)
         stream = RequestStream(self, request_id, params.n, deadline,
@@ -549,10 +555,15 @@ class AsyncEngine:
         return stream
 
     # ---- read-only questions to the core --------------------------------------------------------
-    async def explain_prefix(self, token_ids: list[int]) -> dict:
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raises ValueError naming what is wrong with the adapter (it loads it: call off the event loop)."""
+        self.processor.check_lora(lora_request)
+
+    async def explain_prefix(self, token_ids: list[int], lora_request: LoRARequest | None = None) -> dict:
         """Engine.explain_prefix, asked between two steps. Raises ValueError (e.g. an empty prompt)."""
         self.processor.check_explain_prompt(token_ids)
-        explanation = await self._query("explain_prefix", list(token_ids))
+        lora_id = lora_request.lora_int_id if lora_request is not None else 0
+        explanation = await self._query("explain_prefix", list(token_ids), lora_id)
         return self.processor.explain(explanation, token_ids)
 
     async def prefix_cache_stats(self) -> dict:

@@ -107,8 +107,8 @@ class EngineCore:
         return aborted + outputs
 
     # ---- read-only questions ------------------------------------------------------------------------
-    def explain_prefix(self, token_ids: list[int]) -> PrefixExplanation:
-        return self.scheduler.kv.explain(token_ids)
+    def explain_prefix(self, token_ids: list[int], lora_int_id: int = 0) -> PrefixExplanation:
+        return self.scheduler.kv.explain(token_ids, lora_int_id=lora_int_id)
 
     def prefix_cache_stats(self) -> dict:
         pool, stats, bs = self.block_pool, self.scheduler.stats, self.config.cache.block_size

@@ -98,12 +98,15 @@ class Engine:
         finish_reason "abort". Unknown or finished ids are ignored."""
         self.core.abort_requests(self.output_processor.sample_ids(request_id))
 
-    def explain_prefix(self, prompt: str | list[int], snippet_tokens: int = 8) -> dict:
-        """How much of a prompt the prefix cache would serve, and where the closest cached sequence diverges
-        (position and a short text snippet on each side), to find what broke a cache hit."""
+    def explain_prefix(self, prompt: str | list[int], snippet_tokens: int = 8,
+                       lora_request: LoRARequest | None = None) -> dict:
+        """How much of a prompt the prefix cache would serve (for the base model, or an adapter), and where
+        the closest cached sequence diverges (position and a short text snippet on each side), to find what
+        broke a cache hit."""
         token_ids = self.tokenize_prompt(prompt)
         self.processor.check_explain_prompt(token_ids)
-        return self.processor.explain(self.core.explain_prefix(token_ids), token_ids, snippet_tokens)
+        lora_id = lora_request.lora_int_id if lora_request is not None else 0
+        return self.processor.explain(self.core.explain_prefix(token_ids, lora_id), token_ids, snippet_tokens)
 
     def prefix_cache_stats(self) -> dict:
         return self.core.prefix_cache_stats()

@@ -111,11 +111,13 @@ class KVCacheManager:
         blocks = [b for b in table[:num_tokens // self.block_size] if b.block_hash is not None]
         return self.pins.pin(blocks, ttl) * self.block_size
 
-    def explain(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixExplanation:
-        """Longest cached prefix of token_ids, and where the closest cached sequence diverges from it."""
+    def explain(self, token_ids: list[int], cache_salt: str | None = None, lora_int_id: int = 0) -> PrefixExplanation:
+        """Longest cached prefix of token_ids (as the base model, or adapter lora_int_id, would look it up), and
+        where the closest cached sequence diverges from it."""
         bs = self.block_size
         keys: list[Hashable] = []
-        _extend_keys(keys, lambda a, b: token_ids[a:b], len(token_ids) // bs, bs, cache_salt)
+        extra = block_extra_key(cache_salt, lora_int_id)
+        _extend_keys(keys, lambda a, b: token_ids[a:b], len(token_ids) // bs, bs, extra)
         hit = 0
         while hit < len(keys) and self.pool.lookup(keys[hit]) is not None:
             hit += 1
@@ -123,7 +125,7 @@ class KVCacheManager:
         rest = token_ids[hit * bs:(hit + 1) * bs]
         best, continuation = 0, None
         for key in self.pool.cached_keys():
-            if key[0] != parent or key[2] != cache_salt:
+            if key[0] != parent or key[2] != extra:
                 continue
             common = next((i for i, (a, b) in enumerate(zip(rest, key[1])) if a != b), min(len(rest), bs))
             if continuation is None or common > best:
@@ -190,11 +192,13 @@ class KVCacheManager:
 
 
 def extra_key(request: Request) -> Hashable:
-    """What besides the tokens keys a request's blocks. NOTE: the base model keeps the bare salt, so its keys
-    (and `explain`, which knows only salts) are the same whether or not LoRA is enabled."""
-    if not request.lora_int_id:
-        return request.cache_salt
-    return (request.cache_salt, request.lora_int_id)
+    return block_extra_key(request.cache_salt, request.lora_int_id)
+
+
+def block_extra_key(cache_salt: str | None, lora_int_id: int) -> Hashable:
+    """What besides the tokens keys a block. NOTE: the base model keeps the bare salt, so its keys are the
+    same whether or not LoRA is enabled."""
+    return cache_salt if not lora_int_id else (cache_salt, lora_int_id)
 
 
 def _extend_keys(keys: list[Hashable], token_slice: Callable[[int, int], list[int]], num_full_blocks: int,

@@ -11,7 +11,9 @@ A fused layer (QKV, gate/up) has one slice per checkpoint module: slice j's A go
 [j*R, j*R + r) and its B into the same rows and into that module's output columns only, so one pair of
 matmuls per slot serves q, k and v at once (B is block diagonal). These are the shapes a GPU kernel (Punica
 SGMV/BGMV) takes; the CPU path below is its reference: tokens sorted by slot once per step (LoRABatch),
-then one [n, in] x [in, R] x [R, out] product per slot present, never a loop over requests.
+then one [n, in] x [in, R] x [R, out] product per slot present, or, when the slots' token counts are
+about equal (decode steps), all slots in one batched [S, L, in] x [S, in, R] x [S, R, out] pair; never a
+loop over requests.
 """
 from __future__ import annotations
 
@@ -40,17 +42,33 @@ class LoRABatch:
     """[N] int64: the tokens that use an adapter, sorted by slot (None: the whole step is the base model)."""
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     """(slot, start, end): order[start:end] are the tokens of that slot."""
+    slots: torch.Tensor | None = None
+    """[S] int64: the slots present this step."""
+    padded_out: torch.Tensor | None = None
+    """[S * L] int64: `padded` flattened, padding clamped to a real row (where it adds an exact zero)."""
+    padded: torch.Tensor | None = None
+    """[S, L] int64: row s lists slot s's tokens, padded with T (a zero row appended to the input), so all
+    slots run as one batched matmul pair whatever their number."""
 
     def set_token_slots(self, token_slots: np.ndarray, device: torch.device) -> None:
         """token_slots [T] int: each token's slot, -1 for the base model."""
         adapted = np.flatnonzero(token_slots >= 0)
         if adapted.size == 0:
-            self.order, self.segments = None, []
+            self.order, self.segments, self.slots, self.padded, self.padded_out = None, [], None, None, None
             return
         order = adapted[np.argsort(token_slots[adapted], kind="stable")]
         slots, starts, counts = np.unique(token_slots[order], return_index=True, return_counts=True)
         self.order = torch.from_numpy(order).to(device)
         self.segments = [(int(s), int(a), int(a + n)) for s, a, n in zip(slots, starts, counts)]
+        self.slots = self.padded = self.padded_out = None
+        if len(slots) == 1 or len(slots) * int(counts.max()) > 1.25 * len(order):
+            return  # NOTE: padding would cost more than the batched call saves (a prefill chunk beside decodes)
+        padded = np.full((len(slots), int(counts.max())), len(token_slots), dtype=np.int64)    # [S, L]
+        for row, (a, n) in enumerate(zip(starts, counts)):
+            padded[row, :n] = order[a:a + n]
+        self.slots = torch.from_numpy(slots.astype(np.int64)).to(device)
+        self.padded = torch.from_numpy(padded).to(device)
+        self.padded_out = torch.from_numpy(np.minimum(padded, len(token_slots) - 1).reshape(-1)).to(device)
 
 
 def lora_output_slices(layer: nn.Module) -> list[tuple[str, int, int]] | None:
@@ -96,7 +114,15 @@ class LoRAMethod:
         order = self.batch.order
         if order is None or getattr(layer, "lora_a", None) is None:
             return y
-        xs = x.index_select(0, order)                                         # [N, in], sorted by slot
-        delta = torch.cat([xs[start:end] @ layer.lora_a[slot] @ layer.lora_b[slot]
-                           for slot, start, end in self.batch.segments])      # [N, out]
-        return y.index_add_(0, order, delta.to(y.dtype))
+        if self.batch.padded is None:  # one slot, or slots of very unequal token counts: one pair per slot
+            xs = x.index_select(0, order)                                                     # [N, in]
+            delta = torch.cat([xs[start:end] @ layer.lora_a[slot] @ layer.lora_b[slot]
+                               for slot, start, end in self.batch.segments])                  # [N, out]
+            return y.index_add_(0, order, delta.to(y.dtype))
+        # One batched pair for all slots: tokens gathered per slot (padded with a zero row), then scattered back.
+        padded, slots = self.batch.padded, self.batch.slots                                   # [S, L], [S]
+        x_ext = torch.cat([x, x.new_zeros(1, x.shape[1])])                                   # [T + 1, in]
+        xs = x_ext[padded]                                                                    # [S, L, in]
+        delta = torch.bmm(torch.bmm(xs, layer.lora_a[slots]), layer.lora_b[slots])          # [S, L, out]
+        # NOTE: a padding row's delta is exactly zero (a zero input row), so it may land on any real row.
+        return y.index_add_(0, self.batch.padded_out, delta.reshape(-1, delta.shape[-1]).to(y.dtype))

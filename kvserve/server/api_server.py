@@ -15,7 +15,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import kvserve
@@ -26,9 +26,11 @@ from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.metrics import ServerMetrics, log_stats_periodically
 from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kvserve.server.limits import check_messages
+from kvserve.server.lora_registry import LoRARegistry, parse_lora_modules
 from kvserve.server.openapi import request_body_schema
 from kvserve.server.prompts import TextLimit, render_chat_prompt
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                     LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                      ExplainPrefixRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                                      conversation_of)
 from kvserve.server.serving import ServerState, read_request
@@ -66,8 +68,17 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
             engine.add_dead_listener(on_engine_dead)
         state = ServerState(config, engine, engine.tokenizer, metrics, names, info.max_model_len,
                             int(time.time()), TextLimit.of(engine.tokenizer, info.max_model_len),
-                            config.body_limit(info.max_model_len))
+                            config.body_limit(info.max_model_len),
+                            loras=LoRARegistry(engine_args.enable_lora, config.allowed_lora_dirs))
         app.state.kvserve = state
+        try:
+            for name, path in parse_lora_modules(config.lora_modules):
+                await state.loras.load(name, path, names, lambda r: state.off_loop(engine.check_lora, r))
+        except (ValueError, APIError) as e:
+            await engine.shutdown()
+            raise RuntimeError(f"--lora-modules: {getattr(e, 'message', e)}") from None
+        if state.loras.names:
+            logger.info("LoRA adapters: %s", ", ".join(f"{r.lora_name} ({r.lora_path})" for r in state.loras.adapters()))
         stats_task = None
         if config.stats_interval > 0:
             stats_task = asyncio.create_task(log_stats_periodically(metrics, lambda: engine.stats,
@@ -157,7 +168,25 @@ def _add_routes(app: FastAPI, auth: list, metrics_auth: list) -> None:
         s = _state(request)
         cards = [ModelCard(id=name, created=s.created, root=s.engine.args.model or name,
                            max_model_len=s.max_model_len) for name in s.model_names]
+        cards += [ModelCard(id=r.lora_name, created=s.created, root=r.lora_path, parent=s.model_names[0],
+                            max_model_len=s.max_model_len) for r in s.loras.adapters()]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/load_lora_adapter", dependencies=auth, openapi_extra=request_body_schema(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(request: Request) -> Response:
+        s = _state(request)
+        body = await read_request(s, request, LoadLoRAAdapterRequest)
+        await s.loras.load(body.lora_name, body.lora_path, s.model_names,
+                           lambda r: s.off_loop(s.engine.check_lora, r))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=auth,
+              openapi_extra=request_body_schema(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(request: Request) -> Response:
+        s = _state(request)
+        body = await read_request(s, request, UnloadLoRAAdapterRequest)
+        s.loras.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize", dependencies=auth, openapi_extra=request_body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> Response:

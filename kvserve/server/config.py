@@ -61,6 +61,12 @@ class ServerConfig:
                 "open streams end with an error event"})
     stats_interval: float = field(default=5.0, metadata={
         "help": "seconds between stats log lines while requests are in flight; 0 disables them"})
+    lora_modules: tuple[str, ...] | None = field(default=None, metadata={
+        "help": "LoRA adapters served at start-up, name=path ... (needs --enable-lora); a request's `model` "
+                "names one"})
+    allowed_lora_dirs: tuple[str, ...] | None = field(default=None, metadata={
+        "help": "folders adapters may be loaded from (--lora-modules and POST /v1/load_lora_adapter); "
+                "default: anywhere"})
     engine_loop: str = field(default="process", metadata={
         "help": "where the engine steps: its own process (default; see docs/SERVER.md for why) or a thread "
                 "of the server process", "choices": ("process", "thread")})

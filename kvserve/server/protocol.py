@@ -307,6 +307,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvserve"
     root: str
+    parent: str | None = None
+    """For a LoRA adapter: the base model it runs on."""
     max_model_len: int
 
 
@@ -324,3 +326,17 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None

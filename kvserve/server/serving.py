@@ -24,6 +24,7 @@ from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, from_validation_error
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.limits import check_sampling
+from kvserve.server.lora_registry import LoRARegistry
 from kvserve.server.prompts import Prompt, TextLimit
 
 logger = logging.getLogger("kvserve.server")
@@ -48,6 +49,8 @@ class ServerState:
     text_limit: TextLimit
     body_limit: int
     """--max-body-size in bytes."""
+    loras: LoRARegistry = field(default_factory=lambda: LoRARegistry(False, None))
+    """LoRA adapters by name (a request's `model` may name one)."""
     draining: bool = False
     """Set on SIGTERM: new requests get 503 while in-flight ones finish."""
     tokenizer_thread: ThreadPoolExecutor = field(
@@ -62,12 +65,14 @@ class ServerState:
             self.tokenizer_thread, functools.partial(fn, *args, **kwargs))
 
     def resolve_model(self, requested: str | None) -> str:
-        """The model name to answer with; 404 for a model this server does not serve."""
+        """The model name to answer with (the base model or a LoRA adapter); 404 for one this server does not
+        serve."""
         if requested is None or requested == "":
             return self.model_names[0]
-        if requested not in self.model_names:
+        if requested not in self.model_names and self.loras.get(requested) is None:
+            served = self.model_names + self.loras.names
             raise APIError(404, f"The model `{requested}` does not exist; this server serves "
-                                f"{', '.join(self.model_names)}", param="model", code="model_not_found")
+                                f"{', '.join(served)}", param="model", code="model_not_found")
         return requested
 
     def check_request(self, params: SamplingParams, num_prompts: int = 1) -> None:
@@ -78,10 +83,13 @@ class ServerState:
 
     async def open_streams(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
                            prompt_param: str = "prompt",
-                           cache_pin: tuple[int, float] | None = None) -> list[RequestStream]:
+                           cache_pin: tuple[int, float] | None = None,
+                           model: str | None = None) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none. Raises APIError (400, 429, 500, 503).
 
-        cache_pin: (prefix tokens, TTL seconds) pinned in the prefix cache for every prompt."""
+        cache_pin: (prefix tokens, TTL seconds) pinned in the prefix cache for every prompt.
+        model: the resolved model name; a LoRA adapter's runs with that adapter."""
+        lora_request = self.loras.get(model)
         self.check_request(params, len(prompts))
         engine = self.engine
         if engine.num_inflight_seqs + params.n * len(prompts) > engine.capacity:
@@ -94,7 +102,7 @@ class ServerState:
             for rid, p in zip(ids, prompts):
                 logger.info("request %s: prompt %r (token ids %s), params %s", rid, p.text, p.token_ids, params)
         results = await asyncio.gather(
-            *(engine.add_request(rid, p.token_ids, params, p.text, cache_pin, deadline)
+            *(engine.add_request(rid, p.token_ids, params, p.text, cache_pin, deadline, lora_request)
               for rid, p in zip(ids, prompts)),
             return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]

@@ -34,7 +34,7 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     prompt = await state.off_loop(render_chat_prompt, state.tokenizer, request.conversation(), state.text_limit,
                                   bool(request.add_generation_prompt), bool(request.continue_final_message), kwargs)
     run = _ChatRun(request, model, params)
-    streams = await state.open_streams(run.id, [prompt], params, prompt_param="messages")
+    streams = await state.open_streams(run.id, [prompt], params, prompt_param="messages", model=model)
     if request.stream:
         return EventStream(run.events(streams[0]), close_all(streams))
     return await unless_disconnected(raw_request, run.respond(streams[0]), streams)

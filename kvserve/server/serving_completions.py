@@ -28,7 +28,7 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
     state.check_request(params, request.num_prompts)
     prompts = await state.off_loop(completion_prompts, state.tokenizer, request.prompt, state.text_limit)
     run = _CompletionRun(state, request, model, prompts, params)
-    streams = await state.open_streams(run.id, prompts, params)
+    streams = await state.open_streams(run.id, prompts, params, model=model)
     if request.stream:
         return EventStream(run.events(streams), close_all(streams))
     return await unless_disconnected(raw_request, run.respond(streams), streams)

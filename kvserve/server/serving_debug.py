@@ -21,7 +21,7 @@ from kvserve.server.serving import ServerState, read_request, stream_error
 
 async def explain_prefix(state: ServerState, raw_request: Request) -> JSONResponse:
     body = await read_request(state, raw_request, ExplainPrefixRequest)
-    state.resolve_model(body.model)
+    lora_request = state.loras.get(state.resolve_model(body.model))  # an adapter's blocks are its own
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of `prompt` and `messages`", param="prompt")
     if body.messages is not None:
@@ -36,7 +36,7 @@ async def explain_prefix(state: ServerState, raw_request: Request) -> JSONRespon
     else:
         token_ids = body.prompt
     try:
-        return JSONResponse(await state.engine.explain_prefix(token_ids))
+        return JSONResponse(await state.engine.explain_prefix(token_ids, lora_request))
     except ValueError as e:
         raise APIError(400, str(e), param="prompt") from None
     except Exception as e:

@@ -49,7 +49,8 @@ async def create_message(state: ServerState, raw_request: Request) -> Response:
     run = _MessageRun(model, params, num_pin_tokens, ttl, state.engine.info.block_size)
     try:
         cache_pin = (num_pin_tokens, TTL_SECONDS[ttl]) if num_pin_tokens else None
-        streams = await state.open_streams(run.id, [prompt], params, prompt_param="messages", cache_pin=cache_pin)
+        streams = await state.open_streams(run.id, [prompt], params, prompt_param="messages", cache_pin=cache_pin,
+                                           model=model)
     except APIError as e:
         if e.status_code == 429:
             raise APIError(_OVERLOADED, e.message, headers=e.headers) from None
