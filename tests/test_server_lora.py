@@ -114,3 +114,24 @@ def test_explain_keeps_adapters_apart(http):
     ex_sql = http.post("/debug/prefix-cache/explain", json={"model": "sql", "prompt": fresh}).json()
     ex_base = http.post("/debug/prefix-cache/explain", json={"model": base, "prompt": fresh}).json()
     assert ex_sql["num_cached_tokens"] >= 32 and ex_base["num_cached_tokens"] == 0
+
+
+def test_unload_while_a_request_streams_lets_it_finish(setup, http):
+    """Deferred unload: the name goes at once, the running request finishes with its adapter."""
+    _, _, allowed, _, _ = setup
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "chat2", "lora_path": str(allowed / "chat")}
+                     ).status_code == 200
+    body = {"model": "chat2", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    texts, unloaded = [], False
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            texts.append(line)
+            if not unloaded:
+                assert http.post("/v1/unload_lora_adapter", json={"lora_name": "chat2"}).status_code == 200
+                assert _complete(http, "chat2").status_code == 404
+                unloaded = True
+    assert unloaded and len(texts) > 1 and '"finish_reason":"length"' in texts[-1].replace(" ", "")
