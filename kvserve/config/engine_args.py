@@ -14,6 +14,7 @@ from typing import Any
 from kvserve.config.cache import CacheConfig
 from kvserve.config.device import DeviceConfig
 from kvserve.config.engine import EngineConfig
+from kvserve.config.generation import default_sampling, parse_override
 from kvserve.config.load import LoadConfig
 from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
@@ -82,6 +83,12 @@ class EngineArgs:
     max_lora_rank: int = field(default=16, metadata={"help": "largest LoRA rank an adapter may have"})
     max_cpu_loras: int | None = field(default=None, metadata={
         "help": "LoRA adapters kept loaded in host memory (LRU); default: max_loras"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "default sampling parameters for what a request leaves unset: auto (the model's "
+                "generation_config.json; the built-in model's own defaults), vllm (none: the API's defaults) "
+                "or a folder / generation_config.json path"})
+    override_generation_config: str | dict | None = field(default=None, metadata={
+        "help": "JSON object overriding those defaults, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 128}'"})
     seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})
@@ -95,6 +102,7 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         # NOTE: the configs that need no checkpoint validate themselves now, so a bad flag fails at once.
         SpeculativeConfig.parse(self.speculative_config)
+        parse_override(self.override_generation_config)
         self._cache_config()
         self._scheduler_config(max_model_len=self.max_model_len or 1)
         self._lora_config()
@@ -114,6 +122,10 @@ class EngineArgs:
             batched = max(batched, max_model_len)  # a whole prompt must fit one step
         return SchedulerConfig(self.max_num_seqs, batched, max_model_len, self.enable_chunked_prefill,
                                self.scheduling_policy, self.long_prefill_token_threshold)
+
+    def default_sampling(self) -> dict:
+        """SamplingParams defaults for the fields a request leaves unset (see config/generation.py)."""
+        return default_sampling(self.generation_config, self.model, self.override_generation_config)
 
     @property
     def kv_cache_memory_bytes(self) -> int:

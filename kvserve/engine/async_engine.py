@@ -446,6 +446,8 @@ class AsyncEngine:
         self.info: EngineInfo | None = None
         self.tokenizer = None  # set by start(); the front end's own (the core needs none)
         self.processor: Processor | None = None
+        self.default_sampling: dict = {}
+        """--generation-config defaults (set by start())."""
         self.output_processor: OutputProcessor | None = None
         self.stats = EngineStats()
         self.dead_reason: str | None = None
@@ -484,6 +486,7 @@ class AsyncEngine:
             transport.join(5.0)
             raise RuntimeError(f"engine failed to start: {error}")
         self.info, self.tokenizer = ready.info, tokenizer
+        self.default_sampling = self.args.default_sampling()  # validated at EngineArgs; a small file read
         lora = self.args._lora_config()
         self.processor = Processor(tokenizer, ready.info, eos_token_ids(hf_config, tokenizer),
                                    AdapterChecker(hf_config, lora) if lora else None)

@@ -28,6 +28,8 @@ class Engine:
     def __init__(self, args: EngineArgs):
         self.args = args
         self.config = args.create_engine_config()
+        self.default_sampling = args.default_sampling()
+        """SamplingParams defaults from --generation-config (LLM.get_default_sampling_params)."""
         self.core = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config.model.source)
         adapters = AdapterChecker(self.config.model.hf_config, self.config.lora) if self.config.lora else None

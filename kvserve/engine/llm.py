@@ -41,7 +41,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompts):
@@ -72,6 +72,10 @@ class LLM:
             self.engine.add_request(rid, ids, p, prompt_text=prompt if isinstance(prompt, str) else None,
                                     lora_request=lora)
         return self._run(order, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters used when none are given: --generation-config's defaults (vLLM's)."""
+        return SamplingParams(**self.engine.default_sampling)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

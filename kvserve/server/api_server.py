@@ -69,6 +69,7 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
         state = ServerState(config, engine, engine.tokenizer, metrics, names, info.max_model_len,
                             int(time.time()), TextLimit.of(engine.tokenizer, info.max_model_len),
                             config.body_limit(info.max_model_len),
+                            default_sampling=engine.default_sampling,
                             loras=LoRARegistry(engine_args.enable_lora, config.allowed_lora_dirs))
         app.state.kvserve = state
         try:
@@ -77,6 +78,8 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
         except (ValueError, APIError) as e:
             await engine.shutdown()
             raise RuntimeError(f"--lora-modules: {getattr(e, 'message', e)}") from None
+        logger.info("default sampling parameters (--generation-config %s): %s", engine_args.generation_config,
+                    state.default_sampling or "none (the API's own)")
         if state.loras.names:
             logger.info("LoRA adapters: %s", ", ".join(f"{r.lora_name} ({r.lora_path})" for r in state.loras.adapters()))
         stats_task = None

@@ -59,7 +59,9 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: dict | None = None) -> SamplingParams:
+        """defaults (--generation-config): for every field the request leaves unset; set fields win."""
         bias = None
         if self.logit_bias:
             try:
@@ -75,6 +77,11 @@ class _SamplingRequest(_Request):
                       skip_special_tokens=self.skip_special_tokens)
         # None means "the default" for every field a client may send as null.
         kwargs = {k: v for k, v in values.items() if v is not None}
+        for key, value in (defaults or {}).items():
+            if key == "max_tokens":
+                max_tokens = value if max_tokens is None else max_tokens
+            else:
+                kwargs.setdefault(key, value)
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias, **kwargs)
         except ValueError as e:
@@ -97,7 +104,7 @@ class CompletionRequest(_SamplingRequest):
         p = self.prompt
         return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -105,7 +112,7 @@ class CompletionRequest(_SamplingRequest):
         if self.echo and self.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (the engine computes no prompt logprobs)",
                            param="echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 class ContentPart(_Request):
@@ -147,7 +154,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -157,7 +164,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
     def conversation(self) -> list[dict[str, str]]:
         return conversation_of(self.messages)

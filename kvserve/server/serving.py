@@ -49,6 +49,8 @@ class ServerState:
     text_limit: TextLimit
     body_limit: int
     """--max-body-size in bytes."""
+    default_sampling: dict = field(default_factory=dict)
+    """--generation-config defaults for the sampling fields a request leaves unset (OpenAI endpoints)."""
     loras: LoRARegistry = field(default_factory=lambda: LoRARegistry(False, None))
     """LoRA adapters by name (a request's `model` may name one)."""
     draining: bool = False

@@ -27,7 +27,7 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     request = await read_request(state, raw_request, ChatCompletionRequest)
     model = state.resolve_model(request.model)
     check_messages(state.config, len(request.messages))
-    params = with_output_kind(request.to_sampling_params(), bool(request.stream))
+    params = with_output_kind(request.to_sampling_params(state.default_sampling), bool(request.stream))
     state.check_request(params)
     kwargs = template_kwargs(request.chat_template_kwargs, request.chat_template,
                              state.config.trust_request_chat_template)

@@ -24,7 +24,7 @@ from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, check_ou
 async def create_completion(state: ServerState, raw_request: Request) -> Response:
     request = await read_request(state, raw_request, CompletionRequest)
     model = state.resolve_model(request.model)
-    params = with_output_kind(request.to_sampling_params(), bool(request.stream))
+    params = with_output_kind(request.to_sampling_params(state.default_sampling), bool(request.stream))
     state.check_request(params, request.num_prompts)
     prompts = await state.off_loop(completion_prompts, state.tokenizer, request.prompt, state.text_limit)
     run = _CompletionRun(state, request, model, prompts, params)
