@@ -163,6 +163,9 @@ def server_command(peer: Peer, env: PeerEnv, weights: str, port: int, s: RunSett
                "--dtype", "float32", "--num-threads", str(s.threads), "--kv-cache-memory", f"{s.kv_cache_gib}GiB",
                "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
                "--max-model-len", str(s.max_model_len), "--no-access-log", "--stats-interval", "0",
+               # NOTE: the workloads ask for greedy decoding; the built-in model's default repetition penalty
+               # would otherwise apply to it, and the peers' outputs would differ for that reason alone.
+               "--generation-config", "vllm",
                *s.kvserve_args, *peer.extra_args]
         if weights:
             cmd += ["--model", weights]
