@@ -76,8 +76,9 @@ def check_engine_invariants(engine) -> None:
     engine.scheduler.check_invariants()
 
 
-def run_to_completion(engine, check_every_step: bool = True) -> dict:
-    """Step the engine until idle, asserting block invariants after every step; returns final outputs."""
+def step_until_idle(engine, check_every_step: bool = True, after_step=None) -> dict:
+    """Step the engine until idle, asserting block invariants after every step (and `after_step(engine)`,
+    if given); returns the final outputs by request id. No block may stay in use at the end."""
     finished = {}
     steps = 0
     while engine.has_unfinished_requests():
@@ -86,10 +87,18 @@ def run_to_completion(engine, check_every_step: bool = True) -> dict:
                 finished[out.request_id] = out
         if check_every_step:
             check_engine_invariants(engine)
+        if after_step is not None:
+            after_step(engine)
         steps += 1
         assert steps < 100_000
     counts = engine.block_pool.counts()
     assert counts["in_use"] == 0, f"blocks still in use after all requests finished: {counts}"
+    return finished
+
+
+def run_to_completion(engine, check_every_step: bool = True) -> dict:
+    """step_until_idle, then the prefix cache emptied: every block must be free again."""
+    finished = step_until_idle(engine, check_every_step)
     engine.scheduler.kv.reset_prefix_cache()
     assert engine.block_pool.counts()["free"] == engine.block_pool.num_blocks
     return finished

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from conftest import check_engine_invariants
+from conftest import step_until_idle
 from kvserve.config import EngineArgs
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine import Engine
@@ -31,14 +31,7 @@ def _prompts():
 def _run(engine, params_list) -> dict:
     for i, (prompt, params) in enumerate(zip(_prompts(), params_list)):
         engine.add_request(str(i), prompt, params)
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-        check_engine_invariants(engine)
-    assert engine.block_pool.counts()["in_use"] == 0
-    return outs
+    return step_until_idle(engine)
 
 
 def _greedy(**kw) -> SamplingParams:

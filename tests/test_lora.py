@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import check_engine_invariants, make_tiny_checkpoint
+from conftest import make_tiny_checkpoint, step_until_idle
 
 from kvserve import LLM, LoRARequest
 from kvserve.config import EngineArgs
@@ -74,14 +74,7 @@ def _engine(path: str, **kwargs) -> Engine:
 
 
 def _run(engine: Engine) -> dict:
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        check_engine_invariants(engine)
-    assert engine.block_pool.counts()["in_use"] == 0
-    return finished
+    return step_until_idle(engine)
 
 
 def _add_all(engine: Engine, requests: dict, prompts: list[list[int]], **params) -> dict[str, tuple]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ATTENTION_BACKENDS, check_engine_invariants, make_tiny_checkpoint
+from conftest import ATTENTION_BACKENDS, check_engine_invariants, make_tiny_checkpoint, step_until_idle
 from kvserve.config import EngineArgs, SpeculativeConfig
 from kvserve.engine.engine import Engine
 from kvserve.sample.rejection_sampler import rejection_sample
@@ -47,16 +47,7 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 def _run(engine: Engine, reqs, params_for, check_blocks: bool = True) -> dict:
     for i, (prompt, max_tokens) in enumerate(reqs):
         engine.add_request(str(i), prompt, params_for(i, max_tokens))
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        check_engine_invariants(engine)
-        if check_blocks:
-            _check_tables_cover_only_computed(engine)
-    assert engine.block_pool.counts()["in_use"] == 0
-    return finished
+    return step_until_idle(engine, after_step=_check_tables_cover_only_computed if check_blocks else None)
 
 
 def _check_tables_cover_only_computed(engine: Engine) -> None:

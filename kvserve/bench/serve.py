@@ -17,13 +17,13 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
 from kvserve.bench.workload import WorkloadRequest, load_workload
+from kvserve.cli.standalone import standalone_main
 
 
 @dataclass
@@ -218,13 +218,7 @@ def format_summary(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvserve.bench.serve`: the same as `kvserve bench serve`."""
-    parser = argparse.ArgumentParser(prog="kvserve bench serve", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except ValueError as e:
-        print(f"kvserve bench serve: error: {e}", file=sys.stderr)
-        return 2
+    return standalone_main("kvserve bench serve", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -24,15 +24,33 @@ import json
 import logging
 import os
 import random
-import sys
 import time
 
 import httpx
 
-from kvserve.bench.soak_report import (RSS_METRICS, AfterTraffic, build_report, format_report, kv_blocks,
-                                       memory_slopes, read_metrics, scan_log)
-from kvserve.bench.soak_traffic import (ABORTED, COMPLETED, OVERLOADED, REJECTED, UNEXPECTED, WORDS, PlannedRequest,
-                                        Result, ServerInfo, TrafficGenerator)
+from kvserve.bench.soak_report import (
+    RSS_METRICS,
+    AfterTraffic,
+    build_report,
+    format_report,
+    kv_blocks,
+    memory_slopes,
+    read_metrics,
+    scan_log,
+)
+from kvserve.bench.soak_traffic import (
+    ABORTED,
+    COMPLETED,
+    OVERLOADED,
+    REJECTED,
+    UNEXPECTED,
+    WORDS,
+    PlannedRequest,
+    Result,
+    ServerInfo,
+    TrafficGenerator,
+)
+from kvserve.cli.standalone import standalone_main
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -279,13 +297,7 @@ async def soak(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvserve.bench.soak`: the same as `kvserve bench soak`."""
-    parser = argparse.ArgumentParser(prog="kvserve bench soak", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except ValueError as e:
-        print(f"kvserve bench soak: error: {e}", file=sys.stderr)
-        return 2
+    return standalone_main("kvserve bench soak", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ The loop blocks on its inbox while idle (no spinning) and, while busy, applies w
 two steps, so an abort frees its KV blocks before the next step runs. What crosses from the loop is only
 each step's deltas (new token ids and logprobs), so the bytes per step do not grow with output length.
 
-The loop runs on a thread of this process or, with `use_process=True` (what `kvserve serve` does by
-default), in a spawned child process; both run the same EngineLoop on the same messages, only the
-transport differs. docs/SERVER.md records the measurement behind the server's choice.
+The loop (engine/engine_loop.py) runs on a thread of this process or, with `use_process=True` (what
+`kvserve serve` does by default), in a spawned child process; both run the same EngineLoop on the same
+messages, only the transport differs. docs/SERVER.md records the measurement behind the server's choice.
 """
 from __future__ import annotations
 
@@ -21,25 +21,31 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import multiprocessing
-import queue
-import signal
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.config import EngineArgs
-from kvserve.engine.core import EngineCore, EngineInfo
-from kvserve.engine.core_types import EngineCoreOutput, EngineCoreRequest
+from kvserve.engine.core import EngineInfo
+from kvserve.engine.engine_loop import (
+    SHUTDOWN,
+    Abort,
+    Add,
+    CoreStep,
+    EngineStats,
+    ProcessTransport,
+    Query,
+    QueryResult,
+    Ready,
+    Stopped,
+    ThreadTransport,
+)
 from kvserve.engine.output_processor import IterationStats, OutputProcessor
+from kvserve.engine.processor import Processor, eos_token_ids
 from kvserve.lora.checker import AdapterChecker
 from kvserve.lora.request import LoRARequest
-from kvserve.engine.processor import Processor, eos_token_ids
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
-from kvserve.utils.memory import resident_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -64,34 +70,6 @@ class EngineInternalError(RuntimeError):
     """The engine failed on this request alone (not the client's fault); the engine runs on."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """Engine state right after a step. Counters (num_*_total, busy_s) are cumulative since start."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    """Fraction of KV blocks held by requests (BlockPool.usage)."""
-    num_preemptions_total: int = 0
-    num_prefix_query_tokens_total: int = 0
-    num_prefix_hit_tokens_total: int = 0
-    num_pinned_blocks: int = 0
-    """KV blocks held by prompt-cache pins (cache_control) right now."""
-    num_steps_total: int = 0
-    busy_s: float = 0.0
-    """Seconds spent inside Engine.step(); its growth over wall time is the loop's busy fraction."""
-    num_kv_blocks_total: int = 0
-    num_kv_request_blocks: int = 0
-    """KV blocks held by requests' block tables (not counting blocks only prompt-cache pins hold)."""
-    resident_memory_bytes: int = 0
-    """Resident memory of the process the engine runs in."""
-    num_spec_drafts_total: int = 0
-    """Speculative decoding: verifications, draft tokens scored, accepted, and accepted per draft position."""
-    num_spec_draft_tokens_total: int = 0
-    num_spec_accepted_tokens_total: int = 0
-    num_spec_accepted_per_pos_total: tuple[int, ...] = ()
-
-
 @dataclass
 class StepReport:
     """Everything one step produced: the changed requests' outputs, what the step did (its tokens and
@@ -100,263 +78,6 @@ class StepReport:
     outputs: list[RequestOutput]
     stats: EngineStats
     iteration: IterationStats
-
-
-# ---- messages between the asyncio side and the loop (all picklable, for the process transport) ----
-@dataclass(frozen=True)
-class _Add:
-    requests: list[EngineCoreRequest]  # the samples of one user request, validated by the front end
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclass(frozen=True)
-class _Query:
-    """A read-only question for the core, answered between steps (the debug endpoints)."""
-
-    query_id: int
-    method: str  # one of _QUERY_METHODS
-    args: tuple = ()
-
-
-# NOTE: an allow-list, so a message can never make the loop call a core method that changes state.
-_QUERY_METHODS = ("explain_prefix", "prefix_cache_stats")
-
-
-@dataclass(frozen=True)
-class _QueryResult:
-    query_id: int
-    result: object
-    error: str | None  # the core's ValueError message; None on success
-    internal: bool = False
-
-
-@dataclass(frozen=True)
-class _CoreStep:
-    outputs: list[EngineCoreOutput]
-    stats: EngineStats
-
-
-@dataclass(frozen=True)
-class _Ready:
-    info: EngineInfo | None
-    error: str | None
-
-
-@dataclass(frozen=True)
-class _Stopped:
-    error: str | None  # None after a requested shutdown
-
-
-_SHUTDOWN = "shutdown"
-
-
-class EngineLoop:
-    """Owns an EngineCore: applies add/abort/query commands between steps and steps while there is work.
-
-    `recv(block)` returns the commands that arrived (waiting for at least one when `block`);
-    `emit(message)` hands a message to the asyncio side. Both are the transport's.
-    """
-
-    def __init__(self, core: EngineCore, recv: Callable[[bool], list], emit: Callable[[object], None]):
-        self.core = core
-        self._recv = recv
-        self._emit = emit
-        self._busy_s = 0.0
-        self._num_steps = 0
-
-    def run(self) -> None:
-        core = self.core
-        while True:
-            failed: list[EngineCoreOutput] = []
-            for command in self._recv(not core.has_unfinished_requests()):
-                if command == _SHUTDOWN:
-                    return
-                failed += self._apply(command)
-            if core.has_unfinished_requests():
-                start = time.perf_counter()
-                outputs = core.step()
-                self._busy_s += time.perf_counter() - start
-                self._num_steps += 1
-                self._emit(_CoreStep(failed + outputs, self.stats()))
-            elif failed:
-                self._emit(_CoreStep(failed, self.stats()))
-
-    def _apply(self, command) -> list[EngineCoreOutput]:
-        if isinstance(command, _Abort):
-            self.core.abort_requests(command.request_ids)
-            return []
-        if isinstance(command, _Query):
-            self._answer(command)
-            return []
-        failed = []
-        for req in command.requests:
-            try:
-                self.core.add_request(req)
-            except Exception as e:  # NOTE: validated by the front end: this is the core's fault, not the client's
-                logger.exception("adding request %s failed", req.request_id)
-                failed.append(self.core.fail_request(req.request_id, f"{type(e).__name__}: {e}"))
-        return failed
-
-    def _answer(self, query: _Query) -> None:
-        if query.method not in _QUERY_METHODS:
-            self._emit(_QueryResult(query.query_id, None, f"unknown engine query {query.method!r}"))
-            return
-        try:
-            result = getattr(self.core, query.method)(*query.args)
-        except ValueError as e:
-            self._emit(_QueryResult(query.query_id, None, str(e)))
-        except Exception as e:  # read-only queries: a failure leaves the core as it was
-            logger.exception("engine query %s failed", query.method)
-            self._emit(_QueryResult(query.query_id, None, f"{type(e).__name__}: {e}", internal=True))
-        else:
-            self._emit(_QueryResult(query.query_id, result, None))
-
-    def stats(self) -> EngineStats:
-        sched = self.core.scheduler
-        return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
-            kv_cache_usage=self.core.block_pool.usage,
-            num_preemptions_total=sched.stats.num_preemptions,
-            num_prefix_query_tokens_total=sched.stats.num_prefix_query_tokens,
-            num_prefix_hit_tokens_total=sched.stats.num_prefix_hit_tokens,
-            num_pinned_blocks=sched.kv.pins.num_pinned,
-            num_steps_total=self._num_steps, busy_s=self._busy_s,
-            num_kv_blocks_total=self.core.block_pool.num_blocks,
-            num_kv_request_blocks=sched.kv.num_request_blocks,
-            resident_memory_bytes=resident_memory_bytes(),
-            num_spec_drafts_total=sched.stats.num_spec_drafts,
-            num_spec_draft_tokens_total=sched.stats.num_spec_draft_tokens,
-            num_spec_accepted_tokens_total=sched.stats.num_spec_accepted_tokens,
-            num_spec_accepted_per_pos_total=tuple(sched.stats.num_spec_accepted_per_pos or ()))
-
-
-def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None],
-                  own_process: bool = False) -> None:
-    """Body of the engine thread or process: build the core, report ready, loop until shutdown."""
-    try:
-        core = EngineCore(args.create_engine_config())
-        if own_process:  # this process holds this one engine until it exits
-            EngineCore.freeze_gc()
-    except Exception as e:  # a bad --model or flag: the server reports it and exits
-        logger.debug("engine start-up failed", exc_info=True)
-        emit(_Ready(None, f"{type(e).__name__}: {e}"))
-        return
-    emit(_Ready(core.info, None))
-    try:
-        EngineLoop(core, recv, emit).run()
-    except Exception:
-        emit(_Stopped(traceback.format_exc()))
-        return
-    emit(_Stopped(None))
-
-
-# ---- transports ---------------------------------------------------------------------------------
-class _ThreadTransport:
-    """The loop on a thread of this process; messages are handed over with call_soon_threadsafe."""
-
-    def __init__(self, args: EngineArgs, on_message: Callable[[object], None]):
-        loop = asyncio.get_running_loop()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-        def emit(message: object) -> None:
-            try:
-                loop.call_soon_threadsafe(on_message, message)
-            except RuntimeError:  # the event loop closed first (interpreter shutdown)
-                pass
-
-        self._thread = threading.Thread(target=_serve_engine, args=(args, self._recv, emit),
-                                        name="kvserve-engine", daemon=True)
-        self._thread.start()
-
-    def _recv(self, block: bool) -> list:
-        commands = []
-        try:
-            commands.append(self._inbox.get(block=block))
-            while True:
-                commands.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        return commands
-
-    def send(self, command: object) -> None:
-        self._inbox.put(command)
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-
-def _process_main(args: EngineArgs, conn) -> None:
-    # NOTE: Ctrl+C (and a service manager's SIGTERM) can reach the whole process group; the server process
-    # decides when the engine stops (it sends _SHUTDOWN after draining; if it dies, the pipe's EOF stops us).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    def recv(block: bool) -> list:
-        commands = []
-        try:
-            if block or conn.poll(0):
-                commands.append(conn.recv())
-            while conn.poll(0):
-                commands.append(conn.recv())
-        except EOFError:  # the server process is gone
-            commands.append(_SHUTDOWN)
-        return commands
-
-    _serve_engine(args, recv, conn.send, own_process=True)
-
-
-class _ProcessTransport:
-    """The loop in a spawned child process, over a duplex pipe; a reader thread forwards its messages."""
-
-    def __init__(self, args: EngineArgs, on_message: Callable[[object], None]):
-        loop = asyncio.get_running_loop()
-        ctx = multiprocessing.get_context("spawn")  # NOTE: fork after torch/tokenizer threads started can deadlock
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_process_main, args=(args, child_conn), name="kvserve-engine",
-                                    daemon=True)
-        self._process.start()
-        child_conn.close()
-        self.num_bytes_received = 0
-
-        def read() -> None:
-            while True:
-                try:
-                    raw = self._conn.recv_bytes()
-                    self.num_bytes_received += len(raw)
-                    message = _loads(raw)
-                except (EOFError, OSError):
-                    message = _Stopped(f"engine process exited (code {self._process.exitcode})")
-                try:
-                    loop.call_soon_threadsafe(on_message, message)
-                except RuntimeError:
-                    return
-                if isinstance(message, _Stopped):
-                    return
-
-        self._reader = threading.Thread(target=read, name="kvserve-engine-reader", daemon=True)
-        self._reader.start()
-
-    def send(self, command: object) -> None:
-        try:
-            self._conn.send(command)
-        except OSError:  # the process died; the reader thread reports it
-            pass
-
-    def join(self, timeout: float) -> None:
-        self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.kill()
-
-
-def _loads(raw: bytes):
-    from multiprocessing.reduction import ForkingPickler
-
-    return ForkingPickler.loads(raw)
 
 
 # ---- the asyncio side ---------------------------------------------------------------------------
@@ -451,7 +172,7 @@ class AsyncEngine:
         self.output_processor: OutputProcessor | None = None
         self.stats = EngineStats()
         self.dead_reason: str | None = None
-        self._transport: _ThreadTransport | _ProcessTransport | None = None
+        self._transport: ThreadTransport | ProcessTransport | None = None
         self._ready: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
         self._pending_queries: dict[int, asyncio.Future] = {}
@@ -465,7 +186,7 @@ class AsyncEngine:
         """Start the loop and wait until the core is built; the tokenizer loads here meanwhile. Raises
         RuntimeError if the engine cannot start."""
         self._ready = asyncio.get_running_loop().create_future()
-        transport = _ProcessTransport if self.use_process else _ThreadTransport
+        transport = ProcessTransport if self.use_process else ThreadTransport
         if self.use_process:  # the child loads the weights while this process loads the tokenizer
             self._transport = transport(self.args, self._on_message)
         try:
@@ -478,11 +199,11 @@ class AsyncEngine:
             front_error = None
         if self._transport is None:
             self._transport = transport(self.args, self._on_message)
-        ready: _Ready = await self._ready
+        ready: Ready = await self._ready
         error = ready.error or front_error
         if error is not None:
             transport, self._transport = self._transport, None
-            transport.send(_SHUTDOWN)
+            transport.send(SHUTDOWN)
             transport.join(5.0)
             raise RuntimeError(f"engine failed to start: {error}")
         self.info, self.tokenizer = ready.info, tokenizer
@@ -498,7 +219,7 @@ class AsyncEngine:
         if self._transport is None:
             return
         transport, self._transport = self._transport, None
-        transport.send(_SHUTDOWN)
+        transport.send(SHUTDOWN)
         await asyncio.to_thread(transport.join, timeout)
         self._fail_all("the engine is shut down")
 
@@ -554,7 +275,7 @@ class AsyncEngine:
                                delta=params.output_kind == RequestOutputKind.DELTA)
         self._streams[request_id] = stream
         self._num_inflight_seqs += params.n
-        self._transport.send(_Add(children))
+        self._transport.send(Add(children))
         return stream
 
     # ---- read-only questions to the core --------------------------------------------------------
@@ -579,7 +300,7 @@ class AsyncEngine:
         query_id = next(self._query_ids)
         answered = asyncio.get_running_loop().create_future()
         self._pending_queries[query_id] = answered
-        self._transport.send(_Query(query_id, method, args))
+        self._transport.send(Query(query_id, method, args))
         try:
             result, error, internal = await answered
         finally:
@@ -591,7 +312,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Ask the loop to abort a request; its final output (finish_reason "abort") ends its stream."""
         if self._transport is not None and request_id in self._streams:
-            self._transport.send(_Abort(self.output_processor.sample_ids(request_id)))
+            self._transport.send(Abort(self.output_processor.sample_ids(request_id)))
 
     def abort_all(self, reason: str) -> int:
         """Abort every request in flight; each stream ends with RequestAbortedError(reason) rather than
@@ -605,32 +326,32 @@ class AsyncEngine:
 
     # ---- messages from the loop (on the event loop) ---------------------------------------------
     def _on_message(self, message: object) -> None:
-        if isinstance(message, _CoreStep):
+        if isinstance(message, CoreStep):
             self._on_step(message)
-        elif isinstance(message, _QueryResult):
+        elif isinstance(message, QueryResult):
             future = self._pending_queries.get(message.query_id)
             if future is not None and not future.done():
                 future.set_result((message.result, message.error, message.internal))
-        elif isinstance(message, _Ready):
+        elif isinstance(message, Ready):
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(message)
-        elif isinstance(message, _Stopped):
+        elif isinstance(message, Stopped):
             died = message.error is not None and self._transport is not None  # not after start() failed
             if died:
                 logger.error("engine loop stopped: %s", message.error)
                 self.dead_reason = "the engine stopped after an internal error"
             if self._ready is not None and not self._ready.done():
-                self._ready.set_result(_Ready(None, message.error or "stopped before it was ready"))
+                self._ready.set_result(Ready(None, message.error or "stopped before it was ready"))
             self._fail_all(self.dead_reason or "the engine is shut down")
             if died:
                 for listener in self._on_dead:
                     listener(self.dead_reason)
 
-    def _on_step(self, step: _CoreStep) -> None:
+    def _on_step(self, step: CoreStep) -> None:
         self.stats = step.stats
         processed = self.output_processor.process(step.outputs)
         if processed.reqs_to_abort and self._transport is not None:
-            self._transport.send(_Abort(processed.reqs_to_abort))
+            self._transport.send(Abort(processed.reqs_to_abort))
         for out in processed.request_outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
