@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this temperature a request is treated as greedy (vLLM uses the same cut-off).
 _GREEDY_EPS = 1e-5
@@ -18,6 +20,71 @@ class RequestOutputKind(enum.Enum):
     """Only what is new since the previous output (streaming)."""
     FINAL_ONLY = 2
     """One output, when the request finishes, with everything."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrained decoding (vLLM's names): exactly one of json, regex, choice, grammar, json_object,
+    structural_tag. Checked here for shape only; whether the grammar compiles is checked at admission."""
+
+    json: str | dict | None = None
+    """A JSON schema (a dict, or its JSON text): the output is a JSON value that validates against it."""
+    regex: str | None = None
+    """The output matches this regular expression (whole)."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF (GBNF) grammar whose `root` rule the output matches."""
+    json_object: bool | None = None
+    """The output is some JSON object (OpenAI's response_format json_object)."""
+    structural_tag: str | dict | None = None
+    """An xgrammar structural tag (free text with constrained segments, e.g. tool calls)."""
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (compact)."""
+    disable_additional_properties: bool = False
+    """JSON schemas: objects may not carry properties the schema does not name."""
+    whitespace_pattern: str | None = None
+
+    _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in self._KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object, structural_tag; got {set_kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got {self.json!r}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be true or false, got {self.json_object!r}")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError(f"structured_outputs.structural_tag must be an object or a string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self._KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """What the compiled grammar depends on (the compile cache's key)."""
+        spec = getattr(self, self.kind)
+        if isinstance(spec, dict):
+            spec = json.dumps(spec, sort_keys=True)
+        elif isinstance(spec, (list, tuple)):
+            spec = tuple(spec)
+        return (self.kind, spec, self.disable_any_whitespace, self.disable_additional_properties,
+                self.whitespace_pattern)
 
 
 @dataclass
@@ -55,6 +122,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top alternatives (0: only the sampled one)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob plus this many top alternatives (vLLM's; the first token has none)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (xgrammar)."""
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -111,6 +182,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, max_tokens={self.max_tokens}")
         integer("logprobs", 0, optional=True)
+        integer("prompt_logprobs", 0, optional=True)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "a RequestOutputKind", self.output_kind)
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
