@@ -11,6 +11,8 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineArgs
 from kvserve.config.generation import BUILTIN_DEFAULTS, default_sampling
+from kvserve.server.anthropic_protocol import MessagesRequest
+from kvserve.server.errors import APIError
 from test_server import API_KEY, served
 
 
@@ -59,7 +61,7 @@ def test_offline_defaults_and_explicit_values_win(tiny_with_generation_config):
 @pytest.fixture(scope="module")
 def server(tiny_with_generation_config, tmp_path_factory):
     yield from served(tiny_with_generation_config, tmp_path_factory, "--stats-interval", "0",
-                      "--override-generation-config", '{"repetition_penalty": 1.2}')
+                      "--override-generation-config", '{"repetition_penalty": 1.2, "temperature": 0.0}')
 
 
 def test_server_applies_defaults_only_to_unset_fields(server):
@@ -72,6 +74,34 @@ def test_server_applies_defaults_only_to_unset_fields(server):
                                                     "max_tokens": 2, "ignore_eos": True})
         assert r.json()["usage"]["completion_tokens"] == 2
     assert "default sampling parameters" in server.log() and "'repetition_penalty': 1.2" in server.log()
+
+
+def test_messages_request_takes_the_defaults_for_unset_fields():
+    defaults = {"temperature": 0.0, "top_p": 0.5, "top_k": 5, "repetition_penalty": 1.2, "max_tokens": 7}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30}
+    params = MessagesRequest(**body).to_sampling_params(defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.0, 0.5, 5, 1.2)
+    assert params.max_tokens == 30  # required by the Messages API: the default never applies
+    params = MessagesRequest(**body, temperature=0.7, top_k=0).to_sampling_params(defaults)
+    assert (params.temperature, params.top_k, params.top_p) == (0.7, 0, 0.5)  # set fields win
+    assert MessagesRequest(**body).to_sampling_params().temperature == 1.0  # no defaults: Anthropic's own
+    with pytest.raises(APIError, match="between 0 and 1"):  # Anthropic's range, defaults or not
+        MessagesRequest(**body, temperature=1.5).to_sampling_params(defaults)
+
+
+def test_server_messages_without_temperature_are_greedy_under_an_override(server):
+    """--override-generation-config '{"temperature": 0.0}': a Messages request without temperature gives the
+    explicit temperature-0 answer, every time (tokens and text)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "Name three prime numbers."}], "max_tokens": 12}
+    with httpx.Client(base_url=server.base_url, headers={"x-api-key": API_KEY}, timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        body["model"] = model
+        unset = [http.post("/v1/messages", json=body).json() for _ in range(3)]
+        explicit = http.post("/v1/messages", json={**body, "temperature": 0}).json()
+    assert explicit["type"] == "message", explicit
+    assert [m["content"] for m in unset] == [explicit["content"]] * 3
+    assert [m["usage"]["output_tokens"] for m in unset] == [explicit["usage"]["output_tokens"]] * 3
+    assert explicit["usage"]["output_tokens"] == 12 or explicit["stop_reason"] == "end_turn"  # not the default 7
 
 
 @pytest.mark.slow

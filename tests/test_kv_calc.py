@@ -160,6 +160,94 @@ def test_cli_context_required_without_max_position_embeddings(tmp_path, capsys):
     assert "no max_position_embeddings; pass --context" in capsys.readouterr().err
 
 
+# --------------------------------------------------------------------------- shape flags, GPT-2/Falcon keys
+
+
+def test_cli_shape_from_flags_without_a_checkpoint(capsys):
+    report = _cli_json(capsys, "--num-layers", "32", "--num-kv-heads", "8", "--head-dim", "128", "--context", "8192")
+    assert report["model"] is None and report["num_attention_heads"] is None
+    assert report["kv_dtype"] == "float16"  # auto without a config
+    assert report["kv_bytes_per_token"] == 131_072  # Llama-3-8B's shape
+    assert report["kv_bytes_total"] == 131_072 * 8192
+    assert _cli("--num-layers", "80", "--num-kv-heads", "8", "--head-dim", "128", "--num-heads", "64",
+                "--context", "8192", "--memory", "80GB") == 0
+    out = capsys.readouterr().out
+    assert "(none: the shape from flags)" in out
+    assert "80 layers, 64 heads, 8 KV heads (GQA), head_dim 128" in out
+    assert "29 sequences of 8,192 tokens" in out  # as from Llama-3-70B's config.json
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-kv-heads", "8", "--head-dim", "128"],
+         "without --model, pass the shape as flags: missing --num-layers"),
+        (["--num-layers", "32", "--head-dim", "128"], "missing --num-kv-heads"),
+        (["--num-layers", "32", "--num-kv-heads", "8"], "missing --head-dim"),
+        ([], "missing --num-layers, --num-kv-heads, --head-dim"),
+        (["--num-layers", "32", "--num-kv-heads", "8", "--head-dim", "128"], "no --model; pass --context"),
+        (["--num-layers", "32", "--num-kv-heads", "0", "--head-dim", "128"],
+         "--num-kv-heads must be a positive integer, got 0"),
+    ],
+)
+def test_cli_shape_flags_errors_name_the_flag(capsys, argv, message):
+    assert _cli(*argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_shape_flags_override_the_file(tmp_path, capsys):
+    folder = _write_config(tmp_path / "8b", **LLAMA3_8B, max_position_embeddings=8192)
+    report = _cli_json(capsys, "--model", folder, "--num-kv-heads", "1")
+    assert (report["num_layers"], report["num_kv_heads"], report["head_dim"]) == (32, 1, 128)
+    assert report["kv_bytes_per_token"] == 2 * 32 * 1 * 128 * 2
+    report = _cli_json(capsys, "--model", folder, "--num-layers", "16", "--head-dim", "64", "--num-heads", "8")
+    assert (report["num_layers"], report["num_kv_heads"], report["head_dim"]) == (16, 8, 64)
+    assert report["num_attention_heads"] == 8 and report["context"] == 8192
+
+
+def test_cli_gpt2_style_config(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    GPT2Config().save_pretrained(tmp_path / "gpt2")  # n_layer 12, n_head 12, n_embd 768, n_positions 1024
+    report = _cli_json(capsys, "--model", str(tmp_path / "gpt2"))
+    assert (report["num_layers"], report["num_attention_heads"], report["num_kv_heads"], report["head_dim"]) == (
+        12, 12, 12, 64)
+    assert report["kv_bytes_per_token"] == 2 * 12 * 12 * 64 * 2
+    assert report["context"] == 1024  # n_positions
+    # GPT-BigCode (StarCoder): GPT-2's keys, multi-query attention.
+    folder = _write_config(tmp_path / "bigcode", n_layer=40, n_head=48, n_embd=6144, n_positions=8192,
+                           multi_query=True)
+    report = _cli_json(capsys, "--model", folder)
+    assert (report["num_kv_heads"], report["head_dim"]) == (1, 128)
+    assert report["kv_bytes_per_token"] == 2 * 40 * 1 * 128 * 2
+
+
+def test_cli_falcon_style_configs(tmp_path, capsys):
+    from transformers import FalconConfig
+
+    # Falcon-7B as first published (RW keys): n_layer, n_head, multi_query, no num_hidden_layers.
+    folder = _write_config(tmp_path / "rw7b", n_layer=32, n_head=71, hidden_size=4544, multi_query=True)
+    report = _cli_json(capsys, "--model", folder, "--context", "2048")
+    assert (report["num_layers"], report["num_attention_heads"], report["num_kv_heads"], report["head_dim"]) == (
+        32, 71, 1, 64)
+    assert report["kv_bytes_per_token"] == 2 * 32 * 1 * 64 * 2
+    # Falcon-7B saved by transformers: num_kv_heads (= n_head) is written too, but multi_query wins, as in
+    # transformers' FalconAttention.
+    FalconConfig(hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, multi_query=True).save_pretrained(
+        tmp_path / "7b")
+    report = _cli_json(capsys, "--model", str(tmp_path / "7b"))
+    assert (report["num_kv_heads"], report["head_dim"], report["context"]) == (1, 64, 2048)
+    # Falcon-40B: the new decoder architecture reads num_kv_heads (RW's n_head_kv in the first release).
+    FalconConfig(hidden_size=8192, num_hidden_layers=60, num_attention_heads=128, num_kv_heads=8,
+                 new_decoder_architecture=True).save_pretrained(tmp_path / "40b")
+    report = _cli_json(capsys, "--model", str(tmp_path / "40b"))
+    assert (report["num_layers"], report["num_kv_heads"], report["head_dim"]) == (60, 8, 64)
+    assert report["kv_bytes_per_token"] == 2 * 60 * 8 * 64 * 2
+    folder = _write_config(tmp_path / "rw40b", n_layer=60, n_head=128, hidden_size=8192, n_head_kv=8,
+                           new_decoder_architecture=True)
+    assert _cli_json(capsys, "--model", folder, "--context", "2048")["kv_bytes_per_token"] == 2 * 60 * 8 * 64 * 2
+
+
 # --------------------------------------------------------------------------- parse_size
 
 

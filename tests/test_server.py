@@ -43,10 +43,11 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(model: str, log_path: Path, *flags: str, timeout: float = 60.0) -> Server:
-    """`kvserve serve --port 0 ...` in a subprocess; returns once /health answers 200."""
-    cmd = [sys.executable, "-m", "kvserve.server.cli", "--model", model, "--port", "0", "--num-threads", "1",
-           "--kv-cache-memory", "32MiB", "--no-access-log", *flags]
+def start_server(model: str | None, log_path: Path, *flags: str, timeout: float = 60.0) -> Server:
+    """`kvserve serve --port 0 ...` in a subprocess; returns once /health answers 200. model None: no --model
+    (the built-in model, under its own name)."""
+    cmd = [sys.executable, "-m", "kvserve.server.cli", *(["--model", model] if model else []), "--port", "0",
+           "--num-threads", "1", "--kv-cache-memory", "32MiB", "--no-access-log", *flags]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout

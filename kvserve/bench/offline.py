@@ -41,12 +41,12 @@ class RunResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", required=True, help="JSONL workload (token ids), e.g. "
                                                           "../shared/workloads/mixed.jsonl")
-    parser.add_argument("--num-requests", type=int, help="use only the first N requests")
+    parser.add_argument("--num-requests", type=int, help="use only the first N requests (default: all)")
     parser.add_argument("--baselines", default=",".join(_BASELINES),
                         help=f"comma-separated subset of {', '.join(_BASELINES)}, or 'none'")
     parser.add_argument("--baseline-requests", type=int,
                         help="run the transformers baselines on the first N requests only (their tok/s is then "
-                             "a rate over that subset; kvserve always runs the whole workload)")
+                             "a rate over that subset; kvserve always runs the whole workload; default: all)")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of hf-batch")
     parser.add_argument("--json", action="store_true", help="print results as JSON too")
     group = parser.add_argument_group("engine")

@@ -64,7 +64,7 @@ class PrefixRun:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", required=True, help="JSONL workload (token ids), e.g. "
                                                           "../shared/workloads/prefix.jsonl")
-    parser.add_argument("--num-requests", type=int, help="use only the first N requests")
+    parser.add_argument("--num-requests", type=int, help="use only the first N requests (default: all)")
     parser.add_argument("--json", action="store_true", help="print results as JSON too")
     group = parser.add_argument_group("engine (--enable-prefix-caching is set by the benchmark, both ways)")
     EngineArgs.add_cli_args(group)

@@ -42,12 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--workload", required=True, help="workload .jsonl file (one request per line)")
     parser.add_argument("--model", default=None, help="model name to send; default: the first of /v1/models")
-    parser.add_argument("--concurrency", type=int, default=None, help="most requests in flight at once")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="most requests in flight at once (default: no limit)")
     parser.add_argument("--request-rate", type=float, default=None,
                         help="Poisson arrivals at this many requests/s (inf: all at once); "
                              "default: the workload's arrival_s")
     parser.add_argument("--num-prompts", "--num-requests", dest="num_prompts", type=int, default=None,
-                        help="replay only the first N requests")
+                        help="replay only the first N requests (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")

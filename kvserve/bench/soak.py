@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random traffic")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY` and `x-api-key`")
     parser.add_argument("--log-file", default=None,
-                        help="the server's log: lines written during the soak are scanned for Traceback / ERROR")
+                        help="the server's log: lines written during the soak are scanned for Traceback / ERROR "
+                             "(default: none, no scan)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     parser.add_argument("--idle-timeout", type=float, default=60.0,
                         help="seconds to wait for the server to go idle after the traffic stops")

@@ -25,17 +25,17 @@ _SAMPLING_FLAGS = {  # flag -> (type, default, help)
     "frequency_penalty": (float, 0.0, ""),
     "n": (int, 1, "samples per prompt"),
     "min_tokens": (int, 0, ""),
-    "logprobs": (int, None, "top-k logprobs per token"),
+    "logprobs": (int, None, "top-k logprobs per token (default: none)"),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompts", nargs="*", help="prompt texts")
+    parser.add_argument("prompts", nargs="*", help="prompt texts (default: none; then --input gives them)")
     parser.add_argument("--input", help="JSONL file of requests (prompt or prompt_token_ids per line)")
-    parser.add_argument("--output", help="write one JSON result per line here instead of printing")
+    parser.add_argument("--output", help="write one JSON result per line here (default: print them)")
     parser.add_argument("--chat", action="store_true", help="wrap each text prompt as a user message in the "
                                                             "model's chat template")
-    parser.add_argument("--system", help="system message, with --chat")
+    parser.add_argument("--system", help="system message, with --chat (default: none)")
     for name, (typ, default, help_text) in _SAMPLING_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=typ, default=default, help=help_text or None)
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -112,6 +112,6 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))
+    from kvserve.cli.standalone import standalone_main
+
+    sys.exit(standalone_main("kvserve generate", __doc__.splitlines()[0], add_arguments, run))

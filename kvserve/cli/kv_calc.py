@@ -1,7 +1,11 @@
 """`kvserve kv-calc`: how much memory the KV cache of a model needs, and how many sequences fit.
 
 KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element. Grouped-query
-attention shows up through `num_key_value_heads` (MHA when absent, MQA when 1).
+attention shows up through `num_key_value_heads` (MHA when absent, MQA when 1); GPT-2/Falcon-style configs
+(`n_layer`, `n_head`, `n_embd`, `multi_query`, `num_kv_heads`/`n_head_kv`) are read too (kv_cache/sizing.py).
+
+The shape can also come from flags alone, no checkpoint needed (`--num-layers --num-kv-heads --head-dim`);
+with `--model`, the flags override the file's values.
 
 Registered as a subcommand by `kvserve/cli/main.py` through `add_arguments` and `run`.
 """
@@ -14,7 +18,8 @@ import os
 import sys
 from typing import Any
 
-from kvserve.kv_cache.sizing import attention_shape, config_get, kv_bytes_per_token
+from kvserve.kv_cache.sizing import (CONTEXT_KEYS, NUM_HEADS_KEYS, NUM_LAYERS_KEYS, attention_shape, config_get,
+                                     first_key, kv_bytes_per_token, num_query_heads)
 from kvserve.utils.sizes import format_size, parse_size
 
 __all__ = ["KV_DTYPE_BYTES", "add_arguments", "run", "kv_bytes_per_token", "load_model_config"]
@@ -30,6 +35,10 @@ _CONFIG_DTYPE_NAMES = {
     "bfloat16": "bfloat16",
 }
 _EXIT_USAGE = 2  # argparse's exit status for bad arguments; we use it for every user error
+# shape flag -> the Llama config key it sets (those keys win over GPT-2/Falcon aliases in sizing.py)
+_SHAPE_FLAGS = {"num_layers": "num_hidden_layers", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+                "num_heads": "num_attention_heads"}
+_REQUIRED_WITHOUT_MODEL = ("num_layers", "num_kv_heads", "head_dim")
 
 
 def load_model_config(model: str) -> Any:
@@ -63,7 +72,7 @@ def load_model_config(model: str) -> Any:
         raise ValueError(f"{config_path} is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+    if first_key(config, NUM_LAYERS_KEYS) is None and isinstance(config.get("text_config"), dict):
         text_config = dict(config["text_config"])
         for key in ("torch_dtype", "dtype"):
             text_config.setdefault(key, config.get(key))
@@ -89,22 +98,58 @@ def _resolve_kv_dtype(kv_dtype: str, config: Any) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `kv-calc` flags to `parser` (a subcommand parser or a standalone one)."""
     parser.add_argument(
-        "--model", required=True, help="HF model folder (with config.json), a config.json file, or a .gguf file"
+        "--model",
+        default=None,
+        help="HF model folder (with config.json), a config.json file, or a .gguf file "
+        "(default: none: the shape comes from --num-layers, --num-kv-heads and --head-dim)",
+    )
+    shape = parser.add_argument_group(
+        "model shape", "without --model, --num-layers, --num-kv-heads and --head-dim are required; "
+        "with it, each flag given overrides the file's value"
+    )
+    shape.add_argument("--num-layers", type=int, default=None, help="decoder layers (default: the model's)")
+    shape.add_argument("--num-kv-heads", type=int, default=None, help="KV heads per layer (default: the model's)")
+    shape.add_argument("--head-dim", type=int, default=None, help="elements per head (default: the model's)")
+    shape.add_argument(
+        "--num-heads", type=int, default=None,
+        help="query heads per layer: MHA/GQA/MQA in the report (default: the model's; none without --model)",
     )
     parser.add_argument(
         "--context", type=int, default=None, help="tokens per sequence (default: the model's max_position_embeddings)"
     )
     parser.add_argument("--batch", type=int, default=1, help="number of sequences (default: 1)")
     parser.add_argument(
-        "--memory", default=None, help="memory available for the KV cache, e.g. 2GiB, 512MiB, 80GB, 1e9"
+        "--memory",
+        default=None,
+        help="memory available for the KV cache, e.g. 2GiB, 512MiB, 80GB, 1e9 (default: none: no fit count)",
     )
     parser.add_argument(
         "--kv-dtype",
         default="auto",
         choices=["auto", *KV_DTYPE_BYTES],
-        help="KV element type (default auto: the model's dtype, float16 when it has none)",
+        help="KV element type (default: auto, the model's dtype; float16 when it has none)",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a report")
+
+
+def _shape_config(args: argparse.Namespace) -> Any:
+    """The model's config (when --model is given) with the shape flags laid over it."""
+    given = {flag: getattr(args, flag) for flag in _SHAPE_FLAGS if getattr(args, flag) is not None}
+    for flag, value in given.items():
+        if value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.model is None:
+        missing = [f"--{flag.replace('_', '-')}" for flag in _REQUIRED_WITHOUT_MODEL if flag not in given]
+        if missing:
+            raise ValueError(f"without --model, pass the shape as flags: missing {', '.join(missing)}")
+        config: Any = {}
+    else:
+        config = load_model_config(args.model)
+    if not given:
+        return config
+    # NOTE: the flags set Llama's keys, which sizing.py reads before any GPT-2/Falcon alias.
+    base = dict(config) if isinstance(config, dict) else config.to_dict()
+    return base | {_SHAPE_FLAGS[flag]: value for flag, value in given.items()}
 
 
 def _compute(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,23 +164,26 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         if memory_bytes <= 0:
             raise ValueError(f"--memory must be positive, got {args.memory!r}")
 
-    config = load_model_config(args.model)
+    config = _shape_config(args)
     kv_dtype = _resolve_kv_dtype(args.kv_dtype, config)
     dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
     num_layers, num_kv_heads, head_dim = attention_shape(config)
     per_token = kv_bytes_per_token(config, dtype_bytes)
+    num_heads = None if first_key(config, NUM_HEADS_KEYS) is None else num_query_heads(config)
 
     context = args.context
     if context is None:
-        context = config_get(config, "max_position_embeddings")
+        key = first_key(config, CONTEXT_KEYS)
+        context = None if key is None else config_get(config, key)
         if not isinstance(context, int) or context <= 0:
-            raise ValueError("the model config has no max_position_embeddings; pass --context")
+            where = "the model config has no max_position_embeddings" if args.model else "no --model"
+            raise ValueError(f"{where}; pass --context")
 
     per_sequence = per_token * context
     report: dict[str, Any] = {
         "model": args.model,
         "num_layers": num_layers,
-        "num_attention_heads": config_get(config, "num_attention_heads"),
+        "num_attention_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
         "kv_dtype": kv_dtype,
@@ -157,10 +205,14 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
 
 def _format_report(r: dict[str, Any]) -> str:
     num_heads, num_kv_heads = r["num_attention_heads"], r["num_kv_heads"]
-    attention = "MHA" if num_kv_heads == num_heads else "MQA" if num_kv_heads == 1 else "GQA"
+    if num_heads is None:  # shape from flags without --num-heads: the kind of attention is unknown
+        heads = f"{num_kv_heads} KV heads"
+    else:
+        attention = "MHA" if num_kv_heads == num_heads else "MQA" if num_kv_heads == 1 else "GQA"
+        heads = f"{num_heads} heads, {num_kv_heads} KV heads ({attention})"
     lines = [
-        f"model            {r['model']}",
-        f"attention        {r['num_layers']} layers, {num_heads} heads, {num_kv_heads} KV heads ({attention}), head_dim {r['head_dim']}",
+        f"model            {r['model'] or '(none: the shape from flags)'}",
+        f"attention        {r['num_layers']} layers, {heads}, head_dim {r['head_dim']}",
         f"KV dtype         {r['kv_dtype']} ({r['kv_dtype_bytes']} bytes)",
         f"KV per token     {r['kv_bytes_per_token']:,} bytes ({format_size(r['kv_bytes_per_token'])})",
         f"KV per sequence  {r['kv_bytes_per_sequence']:,} bytes at {r['context']:,} tokens ({format_size(r['kv_bytes_per_sequence'])})",
@@ -195,6 +247,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # for development only; users go through `kvserve kv-calc`
-    _parser = argparse.ArgumentParser(prog="kvserve kv-calc", description=__doc__.splitlines()[0])
-    add_arguments(_parser)
-    sys.exit(run(_parser.parse_args()))
+    from kvserve.cli.standalone import standalone_main
+
+    sys.exit(standalone_main("kvserve kv-calc", __doc__.splitlines()[0], add_arguments, run))

@@ -6,11 +6,14 @@ import importlib
 import logging
 import sys
 
+from kvserve.utils.cli_help import DefaultsHelpFormatter
+
 # subcommand -> (module, help). `bench` has its own sub-subcommands.
 _COMMANDS = {
     "serve": ("kvserve.server.cli", "serve the OpenAI-compatible HTTP API"),
     "generate": ("kvserve.cli.generate", "generate completions offline (prompts from arguments or a JSONL file)"),
-    "kv-calc": ("kvserve.cli.kv_calc", "KV-cache memory calculator (reads only the model config)"),
+    "kv-calc": ("kvserve.cli.kv_calc",
+                "KV-cache memory calculator (reads only the model config, or takes the shape as flags)"),
 }
 _BENCH = {
     "offline": ("kvserve.bench.offline", "offline throughput vs transformers, same run"),
@@ -25,7 +28,7 @@ _BENCH = {
 
 
 def _add(sub, name: str, module: str, help_text: str, load: bool) -> None:
-    parser = sub.add_parser(name, help=help_text, description=help_text)
+    parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
     if load:  # NOTE: only the chosen subcommand is imported, so `generate` never pays for FastAPI's import
         mod = importlib.import_module(module)
         mod.add_arguments(parser)
@@ -35,11 +38,13 @@ def _add(sub, name: str, module: str, help_text: str, load: bool) -> None:
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     words = [a for a in argv if not a.startswith("-")]
     chosen = words[:2]
-    parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference and serving engine")
+    parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference and serving engine",
+                                     formatter_class=DefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in _COMMANDS.items():
         _add(sub, name, module, help_text, load=chosen[:1] == [name])
-    bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline run alongside")
+    bench_help = "benchmarks that print ratios against a baseline run alongside"
+    bench = sub.add_parser("bench", help=bench_help, description=bench_help, formatter_class=DefaultsHelpFormatter)
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, (module, help_text) in _BENCH.items():
         _add(bench_sub, name, module, help_text, load=chosen == ["bench", name])

@@ -6,10 +6,12 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from kvserve.utils.cli_help import DefaultsHelpFormatter
+
 
 def standalone_main(prog: str, description: str, add_arguments: Callable[[argparse.ArgumentParser], None],
                     run: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=DefaultsHelpFormatter)
     add_arguments(parser)
     try:
         return run(parser.parse_args(argv))

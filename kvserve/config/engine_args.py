@@ -51,7 +51,8 @@ class EngineArgs:
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "fraction of GPU memory for weights + activations + KV cache (CUDA only)"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={
-        "help": "use exactly this many KV blocks (tests, experiments); overrides the memory budget"})
+        "help": "use exactly this many KV blocks (tests, experiments); overrides the memory budget; default: "
+                "sized from --kv-cache-memory (CPU) or --gpu-memory-utilization (CUDA)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest prompt + output in tokens; default: the model's max_position_embeddings"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests running in one step"})
@@ -88,7 +89,8 @@ class EngineArgs:
                 "generation_config.json; the built-in model's own defaults), vllm (none: the API's defaults) "
                 "or a folder / generation_config.json path"})
     override_generation_config: str | dict | None = field(default=None, metadata={
-        "help": "JSON object overriding those defaults, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 128}'"})
+        "help": "JSON object overriding those defaults, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 128}'; "
+                "default: no overrides"})
     seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})

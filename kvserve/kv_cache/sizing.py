@@ -12,31 +12,67 @@ def config_get(config: Any, key: str) -> Any:
     return getattr(config, key, None)
 
 
-def _require_positive_int(config: Any, key: str) -> int:
+# The names one quantity goes by in config.json files: Llama's (and most HF models') first, then GPT-2's
+# and Falcon's. The first key present is read.
+NUM_LAYERS_KEYS = ("num_hidden_layers", "n_layer")
+NUM_HEADS_KEYS = ("num_attention_heads", "n_head")
+HIDDEN_SIZE_KEYS = ("hidden_size", "n_embd")
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
+_FALCON_KV_HEADS_KEYS = ("num_kv_heads", "n_head_kv")
+
+
+def first_key(config: Any, keys: tuple[str, ...]) -> str | None:
+    """The first of `keys` the config sets (not None), or None."""
+    return next((k for k in keys if config_get(config, k) is not None), None)
+
+
+def _require_positive_int(config: Any, keys: str | tuple[str, ...]) -> int:
+    keys = (keys,) if isinstance(keys, str) else keys
+    key = first_key(config, keys) or keys[0]
     value = config_get(config, key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"model config field {key!r} must be a positive integer, got {value!r}")
     return value
 
 
+def num_query_heads(config: Any) -> int:
+    """Attention (query) heads per layer: num_attention_heads, or GPT-2/Falcon's n_head."""
+    return _require_positive_int(config, NUM_HEADS_KEYS)
+
+
+def _num_kv_heads(config: Any) -> int:
+    if config_get(config, "num_key_value_heads") is not None:
+        return _require_positive_int(config, "num_key_value_heads")
+    falcon_key = first_key(config, _FALCON_KV_HEADS_KEYS)
+    # NOTE: transformers' Falcon rule: new_decoder_architecture reads num_kv_heads; otherwise multi_query
+    # means one KV head even when a saved config also carries num_kv_heads (it defaults to n_head there).
+    # GPT-BigCode (StarCoder) says multi_query too.
+    if config_get(config, "new_decoder_architecture") and falcon_key is not None:
+        return _require_positive_int(config, falcon_key)
+    if config_get(config, "multi_query"):
+        return 1
+    if falcon_key is not None:
+        return _require_positive_int(config, falcon_key)
+    return num_query_heads(config)  # plain multi-head attention: one KV head per query head
+
+
 def attention_shape(config: Any) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a decoder config."""
-    num_layers = _require_positive_int(config, "num_hidden_layers")
-    num_heads = _require_positive_int(config, "num_attention_heads")
-    # No num_key_value_heads means plain multi-head attention (one KV head per query head).
-    num_kv_heads = num_heads if config_get(config, "num_key_value_heads") is None else _require_positive_int(config, "num_key_value_heads")
+    """(num_layers, num_kv_heads, head_dim) of a decoder config, Llama-, GPT-2- or Falcon-style."""
+    num_layers = _require_positive_int(config, NUM_LAYERS_KEYS)
+    num_kv_heads = _num_kv_heads(config)
     if config_get(config, "head_dim") is not None:
         head_dim = _require_positive_int(config, "head_dim")
     else:
-        head_dim = _require_positive_int(config, "hidden_size") // num_heads
+        head_dim = _require_positive_int(config, HIDDEN_SIZE_KEYS) // num_query_heads(config)
     return num_layers, num_kv_heads, head_dim
 
 
 def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
     """KV-cache bytes one token occupies across all layers: 2 × layers × kv_heads × head_dim × dtype_bytes.
 
-    `config` is a transformers config or a config.json dict. `num_key_value_heads` falls back to
-    `num_attention_heads` (MHA) when absent; `head_dim` to `hidden_size // num_attention_heads`.
+    `config` is a transformers config or a config.json dict. `num_key_value_heads` falls back to Falcon's
+    `num_kv_heads`/`n_head_kv`, to 1 for `multi_query`, else to `num_attention_heads` (MHA); `head_dim` to
+    `hidden_size // num_attention_heads` (GPT-2's `n_embd // n_head`).
 
     Raises:
         ValueError: a required field is missing or not a positive integer, or `dtype_bytes` is

@@ -113,14 +113,19 @@ class MessagesRequest(CountTokensRequest):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
-        # NOTE: Anthropic's ranges, narrower than OpenAI's: temperature 0-1, top_k >= 0 (0: off).
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        """defaults (--generation-config): for the sampling fields the request leaves unset (temperature, top_p,
+        top_k, and those the Messages API has no field for: min_p, repetition_penalty); set fields win."""
+        # NOTE: Anthropic's ranges, narrower than OpenAI's: temperature 0-1, top_k >= 0 (0: off). They bound
+        # what a client sends; the operator's defaults are the server's own (vLLM's ranges).
         if self.temperature is not None and not 0.0 <= self.temperature <= 1.0:
             raise APIError(400, f"temperature: must be between 0 and 1, got {self.temperature}")
         if self.top_k is not None and self.top_k < 0:
             raise APIError(400, f"top_k: must be >= 0, got {self.top_k}")
         values = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences)
         kwargs = {k: v for k, v in values.items() if v is not None}
+        # max_tokens is required by the Messages API, so a max_new_tokens default never applies here.
+        kwargs = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"} | kwargs
         try:
             return SamplingParams(max_tokens=self.max_tokens, **kwargs)
         except ValueError as e:  # NOTE: Anthropic's error body has no `param`; the message names the field

@@ -21,6 +21,7 @@ from kvserve.config import EngineArgs
 from kvserve.models.loader import ModelSource
 from kvserve.server.api_server import build_app
 from kvserve.server.config import ServerConfig
+from kvserve.utils.cli_help import DefaultsHelpFormatter
 
 logger = logging.getLogger("kvserve.server")
 
@@ -135,7 +136,8 @@ class _GracefulServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvserve.server.cli`: the same as `kvserve serve`."""
-    parser = argparse.ArgumentParser(prog="kvserve serve", description="serve the OpenAI-compatible HTTP API")
+    parser = argparse.ArgumentParser(prog="kvserve serve", description="serve the OpenAI-compatible HTTP API",
+                                     formatter_class=DefaultsHelpFormatter)
     add_arguments(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(parser.parse_args(argv))

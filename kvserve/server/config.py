@@ -68,8 +68,8 @@ class ServerConfig:
         "help": "folders adapters may be loaded from (--lora-modules and POST /v1/load_lora_adapter); "
                 "default: anywhere"})
     engine_loop: str = field(default="process", metadata={
-        "help": "where the engine steps: its own process (default; see docs/SERVER.md for why) or a thread "
-                "of the server process", "choices": ("process", "thread")})
+        "help": "where the engine steps: its own process (see docs/SERVER.md for why) or a thread of the "
+                "server process", "choices": ("process", "thread")})
     access_log: bool = field(default=True, metadata={"help": "log one line per HTTP request"})
 
     def __post_init__(self) -> None:

@@ -50,7 +50,8 @@ class ServerState:
     body_limit: int
     """--max-body-size in bytes."""
     default_sampling: dict = field(default_factory=dict)
-    """--generation-config defaults for the sampling fields a request leaves unset (OpenAI endpoints)."""
+    """--generation-config defaults for the sampling fields a request leaves unset (OpenAI and Anthropic
+    endpoints)."""
     loras: LoRARegistry = field(default_factory=lambda: LoRARegistry(False, None))
     """LoRA adapters by name (a request's `model` may name one)."""
     draining: bool = False

@@ -42,7 +42,7 @@ async def create_message(state: ServerState, raw_request: Request) -> Response:
     model = state.resolve_model(request.model)
     request.check_supported()
     check_messages(state.config, len(request.messages))
-    params = with_output_kind(request.to_sampling_params(), bool(request.stream))
+    params = with_output_kind(request.to_sampling_params(state.default_sampling), bool(request.stream))
     state.check_request(params)
     prompt = await state.off_loop(_render, state, request)
     num_pin_tokens, ttl = await state.off_loop(_cache_pin, state, request, prompt)

@@ -9,16 +9,16 @@ from typing import Any, get_type_hints
 def add_dataclass_args(cls, parser: argparse.ArgumentParser) -> None:
     """One `--flag-name` per field of `cls`, with the field's default, type, help and choices (metadata).
 
+    `--help` shows the default when the parser's formatter is cli_help.DefaultsHelpFormatter.
+
     A `tuple[str, ...]` field takes one or more values (`--flag a b`, or the flag repeated)."""
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f.metadata.get("help") or ""
-        # NOTE: argparse's own "%(default)s" would print "None" for unset optional flags; say what it means.
-        shown = "unset" if default is None else default
-        kwargs: dict[str, Any] = {"default": default, "help": f"{help_text} (default: {shown})".replace("%", "%%")}
+        # NOTE: the default is appended to the help by the parser's formatter (utils/cli_help.py).
+        kwargs: dict[str, Any] = {"default": default, "help": (f.metadata.get("help") or "").replace("%", "%%")}
         if hint is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
