@@ -11,6 +11,7 @@ from kvserve.kv_cache.manager import PrefixExplanation
 from kvserve.lora.checker import AdapterChecker
 from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.grammar import build_grammar
 
 
 def check_token_ids(token_ids, vocab_size: int, what: str) -> None:
@@ -78,6 +79,8 @@ class Processor:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs ({info.max_logprobs})")
         check_token_ids(params.logit_bias or {}, info.vocab_size, "logit_bias")
         check_token_ids(params.stop_token_ids, info.vocab_size, "stop_token_ids")
+        if params.structured_outputs is not None:
+            build_grammar(params.structured_outputs)  # an invalid or unsupported spec: ValueError naming it
         return max_tokens
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
