@@ -29,6 +29,8 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     check_messages(state.config, len(request.messages))
     params = with_output_kind(request.to_sampling_params(state.default_sampling), bool(request.stream))
     state.check_request(params)
+    await state.check_structured_outputs(params, "structured_outputs" if request.structured_outputs else
+                                         "response_format")
     kwargs = template_kwargs(request.chat_template_kwargs, request.chat_template,
                              state.config.trust_request_chat_template)
     prompt = await state.off_loop(render_chat_prompt, state.tokenizer, request.conversation(), state.text_limit,
