@@ -15,6 +15,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-k alternatives).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token (vLLM's): None for the first (nothing precedes it), then token id -> Logprob
+# (the prompt token first, then the top-k alternatives).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -73,3 +76,6 @@ class RequestOutput:
     """Per output index, the token ids added since the previous RequestOutput of this request (streaming)."""
     new_texts: list[str] = field(default_factory=list)
     """Per output index, the text added since the previous RequestOutput (never splits a character)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """With SamplingParams.prompt_logprobs: one entry per prompt token, from the first output on (the
+    prompt is computed by then); with RequestOutputKind.DELTA only in that first output. None otherwise."""

@@ -91,6 +91,14 @@ class Request:
         return self.num_tokens + len(self.spec_token_ids)
 
     @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """vLLM v1's rule: a request that still needs its prompt logprobs computes its whole prompt, since a
+        cache hit would skip the positions that yield them. NOTE: prompt logprobs are recomputed, not kept
+        with cached blocks; the request's blocks still enter the cache for others. Once it has an output
+        token, all of them were computed, so a recompute after preemption may read the cache again."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -99,7 +99,7 @@ _VALID = {
     "frequency_penalty": st.floats(-2, 2), "seed": st.integers(-2**63, 2**63 - 1), "max_tokens": st.integers(1, 8),
     "min_tokens": st.integers(0, 2), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
     "stop_token_ids": st.lists(st.integers(0, 49_151), max_size=2), "logprobs": st.integers(0, 5),
-    "ignore_eos": st.booleans(),
+    "ignore_eos": st.booleans(), "prompt_logprobs": st.integers(0, 5),
     "logit_bias": st.dictionaries(st.integers(0, 49_151), st.floats(-100, 100), max_size=2)}
 
 

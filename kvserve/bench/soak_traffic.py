@@ -294,7 +294,7 @@ class TrafficGenerator:
                 "token_id_out_of_vocab": lambda: {**base, "prompt": [1, 10 ** 9, 2]},
                 "too_long_prompt": lambda: {**base, "prompt": self._ids(too_long)},
                 "logprobs_too_many": lambda: {**base, "logprobs": 50},
-                "echo_with_logprobs": lambda: {**base, "echo": True, "logprobs": 1},
+                "prompt_logprobs_too_many": lambda: {**base, "prompt_logprobs": 50},
             })
         else:
             cases.update({

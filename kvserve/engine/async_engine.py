@@ -145,7 +145,8 @@ def _merge(older: RequestOutput, newer: RequestOutput, delta: bool) -> RequestOu
     return dataclasses.replace(
         newer, outputs=outputs,
         new_token_ids=[a + b for a, b in zip(older.new_token_ids, newer.new_token_ids)],
-        new_texts=[a + b for a, b in zip(older.new_texts, newer.new_texts)])
+        new_texts=[a + b for a, b in zip(older.new_texts, newer.new_texts)],
+        prompt_logprobs=older.prompt_logprobs if newer.prompt_logprobs is None else newer.prompt_logprobs)
 
 
 class AsyncEngine:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.lora.request import LoRARequest
+from kvserve.sample.prompt_logprobs import PromptLogprobsChunk
 from kvserve.sample.sampler import RowLogprobs
 from kvserve.sampling_params import SamplingParams
 
@@ -59,6 +60,9 @@ class EngineCoreOutput:
     num_draft_tokens: int = 0
     """Speculative decoding, so far for this request: draft tokens scored, and accepted."""
     num_accepted_tokens: int = 0
+    new_prompt_logprobs: PromptLogprobsChunk | None = None
+    """prompt_logprobs: what this step's prompt chunk said about its prompt tokens (only the new ones; such an
+    output may carry no token: a chunk short of the prompt's end)."""
 
     @property
     def finished(self) -> bool:

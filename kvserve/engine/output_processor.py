@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.core_types import EngineCoreOutput
-from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from kvserve.sample.prompt_logprobs import PromptLogprobsChunk
 from kvserve.sample.sampler import RowLogprobs
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -51,6 +52,9 @@ class _GroupState:
     output_kind: RequestOutputKind
     num_cached_tokens: int = 0
     seen_first_token: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
+    """With params.prompt_logprobs: the entries so far (chunk by chunk, from the first sample's outputs)."""
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -93,7 +97,8 @@ class OutputProcessor:
             samples.append(_SampleState(i, sample_id, params, detok,
                                         logprobs=[] if params.logprobs is not None else None,
                                         metrics=RequestMetrics(arrival_time)))
-        group = _GroupState(request_id, prompt, list(prompt_token_ids), samples, arrival_time, params.output_kind)
+        group = _GroupState(request_id, prompt, list(prompt_token_ids), samples, arrival_time, params.output_kind,
+                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self._groups[request_id] = group
         for s in samples:
             self._samples[s.request_id] = (group, s)
@@ -116,6 +121,10 @@ class OutputProcessor:
             group, sample = entry
             if sample.finish_reason is not None:
                 continue
+            if out.new_prompt_logprobs is not None and group.prompt_logprobs is not None:
+                self._add_prompt_logprobs(group.prompt_logprobs, out.new_prompt_logprobs)
+            if not out.new_token_ids and not out.finished:
+                continue  # a prompt chunk's logprobs alone: they go out with the first token
             _count(stats, group, sample, out)
             try:
                 stopped = self._apply(group, sample, out)
@@ -185,6 +194,31 @@ class OutputProcessor:
                 entry[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
         return entry
 
+    def _add_prompt_logprobs(self, entries: PromptLogprobs, chunk: PromptLogprobsChunk) -> None:
+        assert chunk.start == len(entries), f"prompt logprobs chunk at {chunk.start}, expected {len(entries)}"
+        rows, logprobs, ranks = chunk.token_ids.tolist(), chunk.logprobs.tolist(), chunk.ranks.tolist()
+        unique = sorted({t for row in rows for t in row})
+        # NOTE: one batched decode per chunk: a long prompt with top-k has thousands of entries.
+        texts = dict(zip(unique, self.tokenizer.batch_decode([[t] for t in unique])))
+        for row, lps, rank in zip(rows, logprobs, ranks):
+            entry = {row[0]: Logprob(lps[0], rank, texts[row[0]])}
+            for top_rank, (tid, lp) in enumerate(zip(row[1:], lps[1:]), start=1):
+                entry.setdefault(tid, Logprob(lp, top_rank, texts[tid]))
+            entries.append(entry)
+
+    @staticmethod
+    def _take_prompt_logprobs(group: _GroupState, finished: bool) -> PromptLogprobs | None:
+        """The prompt logprobs this output carries: all of them once the prompt is computed (partial only
+        if the request ended before); DELTA outputs carry them once."""
+        entries = group.prompt_logprobs
+        if entries is None or (len(entries) < len(group.prompt_token_ids) and not finished):
+            return None
+        if group.output_kind == RequestOutputKind.DELTA:
+            if group.prompt_logprobs_sent:
+                return None
+            group.prompt_logprobs_sent = True
+        return list(entries)
+
     def _make_output(self, group: _GroupState) -> RequestOutput | None:
         finished = group.finished
         kind = group.output_kind
@@ -209,13 +243,14 @@ class OutputProcessor:
             new_texts.append(new_text)
             s.new_token_ids = []
         metrics = _group_metrics(group, finished)
+        prompt_logprobs = self._take_prompt_logprobs(group, finished)
         if finished:
             for s in group.samples:
                 del self._samples[s.request_id]
             del self._groups[group.request_id]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
                              num_cached_tokens=group.num_cached_tokens, metrics=metrics,
-                             new_token_ids=new_ids, new_texts=new_texts)
+                             new_token_ids=new_ids, new_texts=new_texts, prompt_logprobs=prompt_logprobs)
 
 
 def _count(stats: IterationStats, group: _GroupState, sample: _SampleState, out: EngineCoreOutput) -> None:

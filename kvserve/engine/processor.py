@@ -83,6 +83,9 @@ class Processor:
                              f"whole pool has {info.num_kv_blocks} (raise --kv-cache-memory)")
         if params.logprobs is not None and params.logprobs > info.max_logprobs:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs ({info.max_logprobs})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > info.max_logprobs:
+            raise ValueError(f"prompt_logprobs {params.prompt_logprobs} exceeds max_logprobs "
+                             f"({info.max_logprobs})")
         check_token_ids(params.logit_bias or {}, info.vocab_size, "logit_bias")
         check_token_ids(params.stop_token_ids, info.vocab_size, "stop_token_ids")
         if params.structured_outputs is not None:
@@ -115,8 +118,10 @@ class Processor:
         first = child_request_id(request_id, 0, params.n)
         children = []
         for i in range(params.n):
+            # NOTE: prompt logprobs are the group's: the first sample computes them, the others reuse its KV.
             child_params = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else _wrap_int64(params.seed + i))
+                n=1, seed=None if params.seed is None else _wrap_int64(params.seed + i),
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             salt = None
             if params.n > 1 and not self.info.enable_prefix_caching:
                 salt = f"n-group:{request_id}"  # share the prompt among the samples only

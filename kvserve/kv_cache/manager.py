@@ -55,9 +55,9 @@ class KVCacheManager:
         """The longest run of cached blocks that prefixes the request's tokens.
 
         NOTE: at most (num_tokens - 1) // block_size blocks, so at least the last token is computed:
-        the step needs its logits.
+        the step needs its logits. No blocks for a request that must recompute (prompt logprobs).
         """
-        if not self._cacheable(request):
+        if not self._cacheable(request) or request.skip_reading_prefix_cache:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

@@ -337,14 +337,16 @@ class Scheduler:
         """Advance computed tokens, append the sampled tokens, apply token-level stop rules.
 
         Returns one EngineCoreOutput per request that got tokens or finished this step (finished ones
-        have their blocks released). A request whose sampling failed finishes with finish_reason
-        "error". Stop strings are the front end's; it aborts those requests.
+        have their blocks released), or that computed prompt positions whose prompt logprobs it asked for.
+        A request whose sampling failed finishes with finish_reason "error". Stop strings are the front
+        end's; it aborts those requests.
         """
         now = time.monotonic()
         if self.spec_policy is not None:
             self.spec_policy.observe_step(out.total_num_scheduled_tokens, runner_out.execute_s)
         sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
+        prompt_logprobs = runner_out.prompt_logprobs
         outputs = []
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
@@ -379,7 +381,10 @@ class Scheduler:
                 req.num_pinned_tokens = self.kv.pin_prefix(req, *req.cache_pin)
             if num_drafts and new_ids:
                 self._record_verification(req, num_drafts, len(new_ids) - 1)
+            prompt_chunk = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if not new_ids:
+                if prompt_chunk is not None:  # a prompt chunk short of the end: its prompt logprobs go now
+                    outputs.append(self._output(req, [], None, now, prompt_chunk))
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
@@ -399,7 +404,7 @@ class Scheduler:
                     req.spec_token_ids = list(drafts)
             row_logprobs = logprobs.get(req_id)
             outputs.append(self._output(req, appended, row_logprobs[:len(appended)] if row_logprobs else None,
-                                        now))
+                                        now, prompt_chunk))
         if self._failed:
             outputs += [self._output(req, [], None, now) for req in self._failed]
             self._failed = []
@@ -430,11 +435,13 @@ class Scheduler:
             self.spec_policy.observe_verification(req.request_id, num_drafts, num_accepted)
 
     @staticmethod
-    def _output(req: Request, new_ids: list[int], new_logprobs, now: float) -> EngineCoreOutput:
+    def _output(req: Request, new_ids: list[int], new_logprobs, now: float,
+                new_prompt_logprobs=None) -> EngineCoreOutput:
         return EngineCoreOutput(req.request_id, new_ids, new_logprobs, now, req.metrics.first_scheduled_time,
                                 req.num_cached_tokens, req.status.finish_reason,
                                 req.stop_reason if isinstance(req.stop_reason, int) else None, req.error,
-                                req.metrics.num_draft_tokens, req.metrics.num_accepted_tokens)
+                                req.metrics.num_draft_tokens, req.metrics.num_accepted_tokens,
+                                new_prompt_logprobs)
 
     def finished_output(self, req: Request) -> EngineCoreOutput:
         """The output announcing a request finished outside update() (aborted)."""

@@ -58,13 +58,20 @@ class _SamplingRequest(_Request):
     """OpenAI's: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}."""
     structured_outputs: dict[str, Any] | None = None
     """vLLM's extra: {"json" | "regex" | "choice" | "grammar" | "structural_tag": ..., options}."""
+    prompt_logprobs: int | None = None
+    """vLLM's extra: the prompt tokens' logprobs with this many alternatives (`prompt_logprobs` in the body)."""
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def _checked_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule: a stream chunk has no such field
+            raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
+        return self.prompt_logprobs
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         defaults: dict | None = None) -> SamplingParams:
+                         defaults: dict | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """defaults (--generation-config): for every field the request leaves unset; set fields win."""
         bias = None
         if self.logit_bias:
@@ -78,7 +85,7 @@ class _SamplingRequest(_Request):
                       frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                       seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                       min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-                      skip_special_tokens=self.skip_special_tokens)
+                      skip_special_tokens=self.skip_special_tokens, prompt_logprobs=prompt_logprobs)
         # None means "the default" for every field a client may send as null.
         kwargs = {k: v for k, v in values.items() if v is not None}
         for key, value in (defaults or {}).items():
@@ -93,7 +100,6 @@ class _SamplingRequest(_Request):
         except ValueError as e:
             first = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=first if first in values or first == "max_tokens" else None) from None
-
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """response_format or structured_outputs as the engine's StructuredOutputsParams (APIError 400 if the
@@ -157,10 +163,10 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError(400, "best_of is only supported equal to n", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (the engine computes no prompt logprobs)",
-                           param="echo")
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        prompt_logprobs = self._checked_prompt_logprobs()
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults, prompt_logprobs)
 
 
 class ContentPart(_Request):
@@ -209,7 +215,8 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults,
+                                     self._checked_prompt_logprobs())
 
     def conversation(self) -> list[dict[str, str]]:
         return conversation_of(self.messages)
@@ -274,12 +281,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, in its `prompt_logprobs` response field."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's shape: per prompt token, null for the first, else token id (a string: JSON keys) -> its Logprob.
+PromptLogprobsField = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = Field(default=None, exclude_if=_none)
+    prompt_logprobs: PromptLogprobsField | None = Field(default=None, exclude_if=_none)
 
 
 class CompletionResponse(BaseModel):
@@ -329,6 +349,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsField | None = Field(default=None, exclude_if=_none)
 
 
 class ChatDelta(BaseModel):

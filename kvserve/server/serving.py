@@ -168,7 +168,8 @@ def _overloaded(engine: AsyncEngine) -> APIError:
 
 def _engine_rejection(message: str, prompt_param: str) -> APIError:
     code = "context_length_exceeded" if "max_model_len" in message else None
-    param = ("max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message
+    param = ("max_tokens" if "max_tokens" in message
+             else "prompt_logprobs" if message.startswith("prompt_logprobs") else prompt_param if "prompt" in message
              else "logprobs" if "logprobs" in message else "logit_bias" if "logit_bias" in message
              else "stop_token_ids" if "stop_token_ids" in message
              else "structured_outputs" if "structured_outputs" in message else None)

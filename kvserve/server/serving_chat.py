@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.logprobs import chat_logprobs
+from kvserve.server.logprobs import chat_logprobs, prompt_logprobs_field
 from kvserve.server.limits import check_messages
 from kvserve.server.prompts import render_chat_prompt, template_kwargs
 from kvserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
@@ -66,8 +66,12 @@ class _ChatRun:
                               logprobs=self._logprobs(o, o.token_ids), finish_reason=o.finish_reason,
                               stop_reason=o.stop_reason)
                    for o in final.outputs]
+        prompt_logprobs = None
+        if self.request.prompt_logprobs is not None and final.prompt_logprobs is not None:  # vLLM's extra field
+            prompt_logprobs = prompt_logprobs_field(final.prompt_token_ids, final.prompt_logprobs,
+                                                    self.request.prompt_logprobs)
         body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=_usage(final, stream))
+                                      usage=_usage(final, stream), prompt_logprobs=prompt_logprobs)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def events(self, stream: RequestStream) -> AsyncIterator[str]:

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from kvserve.engine.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.logprobs import completion_logprobs
+from kvserve.server.logprobs import completion_logprobs, concat_logprobs, echo_logprobs, prompt_logprobs_field
 from kvserve.server.prompts import Prompt, completion_prompts
 from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, check_output, close_all, error_event,
@@ -44,6 +44,7 @@ class _CompletionRun:
         self.id = new_id("cmpl")
         self.created = int(time.time())
         self.state, self.request, self.model, self.prompts, self.params = state, request, model, prompts, params
+        self._echo_logprobs: dict[int, CompletionLogprobs] = {}  # prompt index -> its tokens' (echo + logprobs)
 
     def _echo(self, prompt_index: int) -> str:
         if not self.request.echo:
@@ -56,6 +57,23 @@ class _CompletionRun:
             return None
         return completion_logprobs(token_ids, o.logprobs[len(o.token_ids) - len(token_ids):], self.params.logprobs,
                                    text_offset)
+
+    async def _prompt_logprobs(self, prompt_index: int, out: RequestOutput) -> CompletionLogprobs | None:
+        """echo with logprobs: the prompt tokens' part of a choice's logprobs (the same for the prompt's n
+        choices; a DELTA stream brings the prompt logprobs in its first output only, so they are kept)."""
+        if not self.request.echo or self.request.logprobs is None:
+            return None
+        if prompt_index not in self._echo_logprobs and out.prompt_logprobs is not None:
+            self._echo_logprobs[prompt_index] = await self.state.off_loop(
+                echo_logprobs, self.state.tokenizer, self.prompts[prompt_index].token_ids, out.prompt_logprobs,
+                self.request.logprobs)
+        return self._echo_logprobs.get(prompt_index)
+
+    def _prompt_logprobs_field(self, out: RequestOutput):
+        """vLLM's `prompt_logprobs` on each choice, when the request asked for it by that name."""
+        if self.request.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_field(out.prompt_token_ids, out.prompt_logprobs, self.request.prompt_logprobs)
 
     def _response(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
@@ -70,10 +88,13 @@ class _CompletionRun:
             raise stream_error(e) from None
         choices = []
         for i, out in enumerate(finals):
+            echo, prompt_part = self._echo(i), await self._prompt_logprobs(i, out)
+            field = self._prompt_logprobs_field(out)
             for o in out.outputs:
-                choices.append(CompletionChoice(index=i * self.params.n + o.index, text=self._echo(i) + o.text,
-                                                logprobs=self._logprobs(o, o.token_ids, 0),
-                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                logprobs = concat_logprobs(prompt_part, self._logprobs(o, o.token_ids, len(echo)))
+                choices.append(CompletionChoice(index=i * self.params.n + o.index, text=echo + o.text,
+                                                logprobs=logprobs, finish_reason=o.finish_reason,
+                                                stop_reason=o.stop_reason, prompt_logprobs=field))
         body = self._response(choices, _usage(finals, streams))
         return Response(body.model_dump_json(), media_type="application/json")
 
@@ -89,13 +110,17 @@ class _CompletionRun:
                     if index in done:
                         continue
                     text = out.new_texts[o.index]
+                    prompt_part = None
                     if index not in echoed:
                         echoed.add(index)
-                        text = self._echo(i) + text
+                        echo = self._echo(i)
+                        text, offsets[index] = echo + text, len(echo)
+                        prompt_part = await self._prompt_logprobs(i, out)
                     new_ids = out.new_token_ids[o.index]
                     logprobs = self._logprobs(o, new_ids, offsets.get(index, 0))
                     if logprobs is not None:
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+                    logprobs = concat_logprobs(prompt_part, logprobs)
                     finished = o.finish_reason is not None
                     if not text and not finished and logprobs is None:
                         continue  # the detokenizer held the text back (a partial character or stop string)

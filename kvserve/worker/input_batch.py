@@ -37,6 +37,9 @@ class CachedRequestState:
     """Speculative draft model: leading tokens whose K/V the draft has computed (0 after a preemption)."""
     lora_request: LoRARequest | None = None
     """The adapter the request runs with; None: the base model."""
+    num_prompt_logprobs: int = 0
+    """prompt_logprobs: leading prompt positions already turned into prompt logprobs (they describe prompt
+    tokens 1 .. this); kept across preemption, so a recompute does not send them twice."""
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from kvserve.kv_cache.layout import KVCacheSpec, slot_mapping
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sample.metadata import GrammarBitmask
+from kvserve.sample.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from kvserve.sample.rejection_sampler import accept_prefix, rewind_generator
 from kvserve.sample.sampler import Sampler
 from kvserve.scheduler.output import SchedulerOutput
@@ -41,6 +42,8 @@ class StepInputs:
     num_logits: np.ndarray           # [S] logits rows per sampling request: 1 + its drafts
     drafts: list[list[int]]          # [S] the drafts each sampling request verifies (most have none)
     token_lora_ids: np.ndarray       # [T] each token's LoRA adapter id (0: the base model)
+    rows: np.ndarray                 # [B] batch row of each request, in step order
+    query_starts: np.ndarray         # [B] index in [T] of each request's first token
     grammar: GrammarBitmask | None = None
     """Structured outputs: allowed tokens per logits row of the constrained requests."""
 
@@ -64,6 +67,9 @@ class ModelRunner:
         max_blocks_per_req = -(-max_model_len // spec.block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks_per_req)
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request the worker has seen
+        self.prompt_logprob_req_ids: set[str] = set()
+        """Requests that asked for prompt logprobs and still have prompt positions to describe: the only
+        ones a step looks at for them (a batch without any pays nothing)."""
         self.sampler = Sampler()
         self.forward_s = 0.0
         """Seconds spent in the model's forward pass and LM head so far (the rest of a step is overhead)."""
@@ -80,12 +86,14 @@ class ModelRunner:
         attn_meta = self.backend.build_metadata(inputs.attn)
         start = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)  # [T, hidden]
+        prompt_logprobs = self.prompt_logprobs(out, inputs, hidden) if self.prompt_logprob_req_ids else {}
         if not inputs.sample_req_ids:
             self.forward_s += time.perf_counter() - start
-            return ModelRunnerOutput(execute_s=time.perf_counter() - step_start)
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs, execute_s=time.perf_counter() - step_start)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])                 # [N, vocab]
         self.forward_s += time.perf_counter() - start
         result = self.sample(logits, inputs)
+        result.prompt_logprobs = prompt_logprobs
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             row = self.batch.index[req_id]
             for token in tokens:
@@ -120,6 +128,7 @@ class ModelRunner:
         batch = self.batch
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprob_req_ids.discard(req_id)
             if req_id in batch.index:
                 batch.remove(req_id)
         for req_id in out.preempted_req_ids:  # NOTE: the state stays: its tokens and seeded generator resume
@@ -133,6 +142,8 @@ class ModelRunner:
                                        lora_request=new.lora_request)
             self.requests[new.req_id] = state
             batch.add(state)
+            if new.sampling_params.prompt_logprobs is not None and len(new.prompt_token_ids) > 1:
+                self.prompt_logprob_req_ids.add(new.req_id)
         cached = out.scheduled_cached_reqs
         for req_id, resumed, new_blocks, computed in zip(cached.req_ids, cached.resumed_from_preemption,
                                                          cached.new_block_ids, cached.num_computed_tokens):
@@ -213,8 +224,55 @@ class ModelRunner:
         return StepInputs(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), attn,
                           torch.from_numpy(logits_indices).to(dev), np.repeat(rows[sampling], num_logits),
                           sample_ids, num_logits, [spec.get(r, []) for r in sample_ids] if spec else
-                          [[] for _ in sample_ids], batch.lora_int_id[token_rows],
+                          [[] for _ in sample_ids], batch.lora_int_id[token_rows], rows, cu - q_lens,
                           _grammar_rows(out, sample_ids, num_logits) if out.grammar_bitmask is not None else None)
+
+    # ---- prompt logprobs ------------------------------------------------------------------------
+    def prompt_logprobs(self, out: SchedulerOutput, inputs: StepInputs,
+                        hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
+        """What this step's prompt chunks say about their prompt tokens (sample/prompt_logprobs.py), for the
+        requests that asked; one LM-head pass over their rows of `hidden` [T, hidden_size]. A position
+        described before a preemption is not described again when the recompute reaches it."""
+        batch = self.batch
+        plan = []  # (req_id, state, first position, end position, its row in hidden)
+        starts = None
+        for req_id in self.prompt_logprob_req_ids:
+            num_new = out.num_scheduled_tokens.get(req_id)
+            if num_new is None:
+                continue
+            if starts is None:
+                starts = np.empty(batch.num_reqs, dtype=np.int64)                              # [R]
+                starts[inputs.rows] = inputs.query_starts
+            row = batch.index[req_id]
+            state = batch.states[row]
+            computed = int(batch.num_computed_tokens[row])
+            # NOTE: such a request never reads the prefix cache (Request.skip_reading_prefix_cache), so every
+            # position it has not described yet is computed in some step.
+            assert computed <= state.num_prompt_logprobs, f"{req_id}: prompt positions would be skipped"
+            first = state.num_prompt_logprobs
+            end = min(computed + num_new, len(state.prompt_token_ids) - 1)
+            if end > first:
+                plan.append((req_id, state, first, end, int(starts[row]) + first - computed))
+        if not plan:
+            return {}
+        dev = hidden.device
+        hidden_rows = np.concatenate([np.arange(h, h + end - first) for _, _, first, end, h in plan])     # [M]
+        targets = np.concatenate([batch.token_ids[batch.index[r], first + 1:end + 1]
+                                  for r, _, first, end, _ in plan])                                    # [M]
+        num_top = max(state.sampling_params.prompt_logprobs for _, state, *_ in plan)
+        ids, logprobs, ranks = compute_prompt_logprobs(
+            self.model.compute_logits, hidden[torch.from_numpy(hidden_rows).to(dev)],
+            torch.from_numpy(targets).to(dev), num_top)
+        chunks, lo = {}, 0
+        for req_id, state, first, end, _ in plan:
+            hi, k = lo + end - first, 1 + state.sampling_params.prompt_logprobs
+            chunks[req_id] = PromptLogprobsChunk(first + 1, np.ascontiguousarray(ids[lo:hi, :k]),
+                                                 np.ascontiguousarray(logprobs[lo:hi, :k]), ranks[lo:hi].copy())
+            state.num_prompt_logprobs = end
+            if end == len(state.prompt_token_ids) - 1:
+                self.prompt_logprob_req_ids.discard(req_id)
+            lo = hi
+        return chunks
 
     # ---- sampling -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
