@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kvserve.kv_cache.quant import QuantizedKVCache
+
 
 @dataclass
 class CommonAttentionMetadata:
@@ -46,11 +48,17 @@ class AttentionBackend(Protocol):
         """Shape of one layer's KV tensor."""
         ...
 
+    def kv_cache_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        """Shape of one layer's scale tensor for a quantized cache (kv_cache/quant.py): one scale per slot,
+        KV head and K/V, in the order of the KV tensor with head_dim dropped."""
+        ...
+
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """Backend metadata for one step; built once, read by every layer."""
         ...
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: Any, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into kv_cache."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into kv_cache (quantizing them when it is a
+        QuantizedKVCache, whose reads dequantize)."""
         ...

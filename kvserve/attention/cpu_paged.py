@@ -1,5 +1,6 @@
 """cpu_paged: decodes through the C++ paged decode kernel (csrc/paged_decode.cpp: K/V read in place through
-the block tables, one pass with an online softmax), prefill chunks as in the reference backend."""
+the block tables, one pass with an online softmax; an int8/fp8 cache is dequantized as it is read, with its
+scales), prefill chunks as in the reference backend."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +9,8 @@ import torch
 
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.prefill import PrefillChunk, build_prefills, prefill_attention, write_kv
-from kvserve.attention.torch_ref import kv_cache_shape
+from kvserve.attention.torch_ref import kv_cache_scale_shape, kv_cache_shape
+from kvserve.kv_cache.quant import QuantizedKVCache
 
 
 @dataclass
@@ -32,6 +34,9 @@ class CPUPagedBackend:
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
+    def kv_cache_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        return kv_cache_scale_shape(num_blocks, block_size, num_kv_heads)
+
     def build_metadata(self, common: CommonAttentionMetadata) -> CPUPagedMetadata:
         nd = common.num_decodes
         table = lens = starts = None
@@ -45,13 +50,16 @@ class CPUPagedBackend:
         return CPUPagedMetadata(common.slot_mapping, common.num_decode_tokens, table, lens, build_prefills(common),
                                 starts)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
         flat = write_kv(kv_cache, meta.slot_mapping, k, v)                  # [slots, 2, Hkv, D]
         out = torch.empty_like(q)                                           # [T, Hq, D]
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self.kernel.paged_decode_attention(q[:nd].contiguous(), kv_cache, meta.decode_block_table,
-                                                          meta.decode_seq_lens, scale, meta.decode_query_start)
+            values, scales = ((kv_cache.values, kv_cache.scales) if isinstance(kv_cache, QuantizedKVCache)
+                              else (kv_cache, None))
+            out[:nd] = self.kernel.paged_decode_attention(q[:nd].contiguous(), values, meta.decode_block_table,
+                                                          meta.decode_seq_lens, scale, meta.decode_query_start,
+                                                          scales)
         prefill_attention(q, k, v, flat, meta.prefills, out, scale)
         return out

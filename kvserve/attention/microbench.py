@@ -1,7 +1,9 @@
 """`python -m kvserve.attention.microbench`: per-layer attention timings behind the README's figures.
 
 - decode: the C++ paged decode kernel vs the PyTorch path (gather every context, one batched SDPA call),
-  SmolLM2's heads (9 query, 3 KV, head_dim 64), contexts on randomly placed blocks as in a busy pool;
+  SmolLM2's heads (9 query, 3 KV, head_dim 64), contexts on randomly placed blocks as in a busy pool; then
+  the kernel on the same contexts quantized (--kv-cache-dtype int8 and fp8_e4m3, scales included in the
+  bytes counted);
 - prefill: torch's CPU SDPA on 3-D inputs (which takes its math path) vs 4-D (its flash kernel), for a
   chunk after cached context, as the CPU backend calls it.
 Timings only; the tests check that the paths agree.
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_decode
 from kvserve.attention.torch_ref import TorchRefBackend, _decode
+from kvserve.kv_cache.quant import quantize
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -45,6 +48,10 @@ def decode(batch: int, ctx: int) -> str:
     if kernel is not None:
         ms = _time(lambda: kernel.paged_decode_attention(q, kv, table, seq_lens, 0.125))
         line += f"   C++ kernel {ms:6.2f} ms ({batch * ctx * 2 * HKV * D * 4 / ms / 1e6:.1f} GB/s of K/V)"
+        for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+            values, scales = quantize(kv, dtype)
+            ms = _time(lambda: kernel.paged_decode_attention(q, values, table, seq_lens, 0.125, None, scales))
+            line += f"   {name} {ms:6.2f} ms ({batch * ctx * 2 * HKV * (D + 4) / ms / 1e6:.1f} GB/s)"
     return line
 
 

@@ -1,7 +1,8 @@
 """Prefill chunks through PyTorch's flash SDPA, shared by both CPU backends.
 
 A chunk that starts at position 0 attends to its own k/v directly (nothing to gather); a later chunk
-gathers its context from the cache. Chunks are cut into query tiles that each attend only up to their
+gathers its context from the cache (dequantized as it is gathered, for a quantized cache: so a prompt's
+first chunk sees its own K/V in full precision, later chunks see what the cache stores, as decodes do). Chunks are cut into query tiles that each attend only up to their
 own last position, which skips most of the masked half of a long chunk.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.kv_cache.layout import slot_mapping
+from kvserve.kv_cache.quant import QuantizedKVCache, dequantize, quantize
 
 # Query rows per SDPA call within a prefill chunk (see the module docstring).
 _QUERY_TILE = 128
@@ -63,23 +65,41 @@ def build_prefills(common: CommonAttentionMetadata) -> list[PrefillChunk]:
     return prefills
 
 
-def write_kv(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Write k/v [T, Hkv, D] at `slots` [T]; returns the cache as [slots, 2, Hkv, D]."""
-    flat = kv_cache.view(-1, 2, k.shape[1], k.shape[2])
-    flat.index_copy_(0, slots, torch.stack((k, v), dim=1))
+def write_kv(kv_cache: torch.Tensor | QuantizedKVCache, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> torch.Tensor | QuantizedKVCache:
+    """Write k/v [T, Hkv, D] at `slots` [T] (quantized first for a QuantizedKVCache); returns the cache as
+    [slots, 2, Hkv, D] (a QuantizedKVCache of such views, scales [slots, 2, Hkv])."""
+    kv = torch.stack((k, v), dim=1)                                          # [T, 2, Hkv, D]
+    if isinstance(kv_cache, QuantizedKVCache):
+        values, scales = quantize(kv, kv_cache.dtype)
+        flat = QuantizedKVCache(kv_cache.values.view(-1, *kv.shape[1:]), kv_cache.scales.view(-1, *kv.shape[1:3]))
+        # NOTE: through uint8 views: torch's CPU index_copy_ has no float8 kernel (a byte copy either way).
+        flat.values.view(torch.uint8).index_copy_(0, slots, values.view(torch.uint8))
+        flat.scales.index_copy_(0, slots, scales)
+        return flat
+    flat = kv_cache.view(-1, *kv.shape[1:])
+    flat.index_copy_(0, slots, kv)
     return flat
 
 
-def gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """flat [S, 2, Hkv, D] rows at `slots` (any shape) -> [*slots.shape, 2, Hkv, D].
+def gather(flat: torch.Tensor | QuantizedKVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """flat [S, 2, Hkv, D] rows at `slots` (any shape) -> [*slots.shape, 2, Hkv, D] of `dtype` (dequantized
+    from a QuantizedKVCache: only the rows gathered).
 
     NOTE: index_select on a 2-D view copies whole rows; advanced indexing (flat[slots]) on the 4-D tensor
     was 5-10x slower on CPU and dominated decode steps."""
+    if isinstance(flat, QuantizedKVCache):
+        values = _rows(flat.values, slots)                                   # [*slots.shape, 2, Hkv, D]
+        return dequantize(values, _rows(flat.scales, slots), dtype)
+    return _rows(flat, slots)
+
+
+def _rows(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     rows = flat.view(flat.shape[0], -1).index_select(0, slots.reshape(-1))
     return rows.view(*slots.shape, *flat.shape[1:])
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor,
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor | QuantizedKVCache,
                       prefills: list[PrefillChunk], out: torch.Tensor, scale: float) -> None:
     """Attention of every prefill chunk's query rows, written into `out` [T, Hq, D]."""
     for p in prefills:
@@ -87,7 +107,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: t
         if p.gather_idx is None:
             ks, vs = k[rows], v[rows]
         else:
-            kv = gather(flat, p.gather_idx)                                  # [S, 2, Hkv, D]
+            kv = gather(flat, p.gather_idx, q.dtype)                         # [S, 2, Hkv, D]
             ks, vs = kv[:, 0], kv[:, 1]
         # NOTE: 4-D [1, H, L, D] views: with 3-D inputs torch's CPU SDPA takes its math path (bmm +
         # softmax + masking ops), 2-2.5x slower than the flash kernel that 4-D inputs get.

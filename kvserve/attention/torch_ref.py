@@ -1,7 +1,7 @@
 """torch_ref: the reference attention backend, PyTorch only (the oracle the other backends are tested against).
 
 Decodes (one query token each) are batched into one SDPA call over their contexts, gathered from the cache
-and padded to the longest; prefill chunks go through attention/prefill.py.
+(dequantized, for an int8/fp8 cache) and padded to the longest; prefill chunks go through attention/prefill.py.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.prefill import PrefillChunk, build_prefills, gather, prefill_attention, write_kv
 from kvserve.kv_cache.layout import slot_mapping
+from kvserve.kv_cache.quant import QuantizedKVCache
 
 
 @dataclass
@@ -29,11 +30,18 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (num_blocks, block_size, 2, num_kv_heads, head_dim)
 
 
+def kv_cache_scale_shape(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+    return (num_blocks, block_size, 2, num_kv_heads)
+
+
 class TorchRefBackend:
     name = "torch_ref"
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def kv_cache_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        return kv_cache_scale_shape(num_blocks, block_size, num_kv_heads)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchRefMetadata:
         nd = common.num_decodes
@@ -48,7 +56,7 @@ class TorchRefBackend:
         return TorchRefMetadata(common.slot_mapping, common.num_decode_tokens, gather_idx, mask,
                                 build_prefills(common))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: TorchRefMetadata, scale: float) -> torch.Tensor:
         flat = write_kv(kv_cache, meta.slot_mapping, k, v)                  # [slots, 2, Hkv, D]
         out = torch.empty_like(q)                                           # [T, Hq, D]
@@ -59,9 +67,9 @@ class TorchRefBackend:
         return out
 
 
-def _decode(q: torch.Tensor, flat: torch.Tensor, meta: TorchRefMetadata, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, flat: torch.Tensor | QuantizedKVCache, meta: TorchRefMetadata, scale: float) -> torch.Tensor:
     bd, num_heads, head_dim = q.shape
-    kv = gather(flat, meta.decode_gather_idx)                                # [Bd, Lmax, 2, Hkv, D]
+    kv = gather(flat, meta.decode_gather_idx, q.dtype)                       # [Bd, Lmax, 2, Hkv, D]
     num_kv_heads = kv.shape[3]
     group = num_heads // num_kv_heads
     # NOTE: the query heads of one KV head act as SDPA's "sequence" axis, so GQA needs no K/V repeat

@@ -1,6 +1,8 @@
 """`kvserve kv-calc`: how much memory the KV cache of a model needs, and how many sequences fit.
 
-KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element. Grouped-query
+KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element; a quantized cache
+(`--kv-cache-dtype int8 | fp8_e4m3`, the engine's flag) adds one 4-byte scale per KV head, and the report
+says how many times the tokens of the unquantized `--kv-dtype` it holds. Grouped-query
 attention shows up through `num_key_value_heads` (MHA when absent, MQA when 1); GPT-2/Falcon-style configs
 (`n_layer`, `n_head`, `n_embd`, `multi_query`, `num_kv_heads`/`n_head_kv`) are read too (kv_cache/sizing.py).
 
@@ -19,13 +21,17 @@ import sys
 from typing import Any
 
 from kvserve.kv_cache.sizing import (CONTEXT_KEYS, NUM_HEADS_KEYS, NUM_LAYERS_KEYS, attention_shape, config_get,
-                                     first_key, kv_bytes_per_token, num_query_heads)
+                                     first_key, kv_bytes, kv_bytes_per_token, num_query_heads)
 from kvserve.utils.sizes import format_size, parse_size
 
 __all__ = ["KV_DTYPE_BYTES", "add_arguments", "run", "kv_bytes_per_token", "load_model_config"]
 
 # Bytes per KV element; "auto" is resolved from the model config (see _resolve_kv_dtype).
 KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+# The engine's quantized caches (kv_cache/quant.py, which imports torch: not imported here): one byte per
+# element, one float32 scale per token, KV head and K/V.
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3")
+KV_SCALE_BYTES = 4
 # Spellings of torch dtypes that can appear in config.json's "torch_dtype" / "dtype".
 _CONFIG_DTYPE_NAMES = {
     "float32": "float32",
@@ -127,7 +133,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-dtype",
         default="auto",
         choices=["auto", *KV_DTYPE_BYTES],
-        help="KV element type (default: auto, the model's dtype; float16 when it has none)",
+        help="KV element type (default: auto, the model's dtype; float16 when it has none); with "
+        "--kv-cache-dtype int8/fp8_e4m3, the unquantized cache the capacity is compared with",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
+        help="the engine's --kv-cache-dtype: int8 or fp8_e4m3 size a quantized cache (1 byte per element plus "
+        f"a {KV_SCALE_BYTES}-byte scale per token and KV head, for K and V); default: auto, --kv-dtype's elements",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a report")
 
@@ -169,6 +183,10 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
     dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
     num_layers, num_kv_heads, head_dim = attention_shape(config)
     per_token = kv_bytes_per_token(config, dtype_bytes)
+    quantized = args.kv_cache_dtype != "auto"
+    if quantized:
+        unquantized_per_token = per_token
+        per_token = kv_bytes(num_layers, num_kv_heads, head_dim, 1, KV_SCALE_BYTES)
     num_heads = None if first_key(config, NUM_HEADS_KEYS) is None else num_query_heads(config)
 
     context = args.context
@@ -186,8 +204,9 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         "num_attention_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
-        "kv_dtype": kv_dtype,
-        "kv_dtype_bytes": dtype_bytes,
+        "kv_dtype": args.kv_cache_dtype if quantized else kv_dtype,
+        "kv_dtype_bytes": 1 if quantized else dtype_bytes,
+        "kv_scale_bytes": KV_SCALE_BYTES if quantized else 0,
         "kv_bytes_per_token": per_token,
         "context": context,
         "batch": args.batch,
@@ -195,6 +214,10 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_total": per_sequence * args.batch,
         "kv_gib_total": per_sequence * args.batch / 1024**3,
     }
+    if quantized:
+        report["unquantized_kv_dtype"] = kv_dtype
+        report["unquantized_kv_bytes_per_token"] = unquantized_per_token
+        report["capacity_gain"] = unquantized_per_token / per_token
     if memory_bytes is not None:
         report["memory_bytes"] = memory_bytes
         report["max_tokens_in_memory"] = memory_bytes // per_token
@@ -213,11 +236,15 @@ def _format_report(r: dict[str, Any]) -> str:
     lines = [
         f"model            {r['model'] or '(none: the shape from flags)'}",
         f"attention        {r['num_layers']} layers, {heads}, head_dim {r['head_dim']}",
-        f"KV dtype         {r['kv_dtype']} ({r['kv_dtype_bytes']} bytes)",
+        f"KV dtype         {r['kv_dtype']} ({r['kv_dtype_bytes']} bytes)" + (
+            f" + a {r['kv_scale_bytes']}-byte scale per token and KV head, for K and V" if r["kv_scale_bytes"] else ""),
         f"KV per token     {r['kv_bytes_per_token']:,} bytes ({format_size(r['kv_bytes_per_token'])})",
         f"KV per sequence  {r['kv_bytes_per_sequence']:,} bytes at {r['context']:,} tokens ({format_size(r['kv_bytes_per_sequence'])})",
         f"KV total         {r['kv_bytes_total']:,} bytes for batch {r['batch']} ({r['kv_gib_total']:.3f} GiB)",
     ]
+    if "capacity_gain" in r:
+        lines.append(f"capacity         {r['capacity_gain']:.2f}x the tokens of a {r['unquantized_kv_dtype']} cache "
+                     f"({r['unquantized_kv_bytes_per_token']:,} bytes per token)")
     if "memory_bytes" in r:
         fits = "fits" if r["batch_fits"] else "does NOT fit"
         lines += [

@@ -1,7 +1,10 @@
-"""CacheConfig: the paged KV cache (block size, how much memory it gets, prefix caching and pins)."""
+"""CacheConfig: the paged KV cache (block size, its element type, how much memory it gets, prefix caching and
+pins)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvserve.kv_cache.quant import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +21,9 @@ class CacheConfig:
     """Reuse the KV blocks of prompt prefixes already computed."""
     max_pinned_fraction: float
     """Most of the pool that prompt-cache pins may hold."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model's dtype), int8 or fp8_e4m3: K/V in one byte per element with per-token, per-head
+    scales (kv_cache/quant.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -26,5 +32,8 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")

@@ -21,6 +21,7 @@ from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.config.speculative import SpeculativeConfig
+from kvserve.kv_cache.quant import KV_CACHE_DTYPES
 from kvserve.utils.cli_args import add_dataclass_args, dataclass_from_args
 from kvserve.utils.sizes import parse_size
 
@@ -48,6 +49,11 @@ class EngineArgs:
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: str = field(default="2GiB", metadata={
         "help": "KV-cache pool size on CPU, e.g. 2GiB or 512MiB"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV-cache element type: auto (the model's dtype), int8 or fp8_e4m3 (one byte per element "
+                "plus a float32 scale per token and KV head for K and for V: ~4x the tokens of a float32 "
+                "cache in the same --kv-cache-memory)",
+        "choices": KV_CACHE_DTYPES})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "fraction of GPU memory for weights + activations + KV cache (CUDA only)"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={
@@ -116,7 +122,8 @@ class EngineArgs:
 
     def _cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.gpu_memory_utilization,
-                           self.num_gpu_blocks_override, self.enable_prefix_caching, self.max_pinned_fraction)
+                           self.num_gpu_blocks_override, self.enable_prefix_caching, self.max_pinned_fraction,
+                           self.kv_cache_dtype)
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         batched = self.max_num_batched_tokens

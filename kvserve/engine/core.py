@@ -15,6 +15,7 @@ from kvserve.engine.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
+from kvserve.kv_cache.quant import dtype_name
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.spec_decode.policy import DraftLengthPolicy
@@ -36,6 +37,8 @@ class EngineInfo:
     block_size: int
     max_logprobs: int
     enable_prefix_caching: bool
+    kv_cache_dtype: str = "float32"
+    """What the KV cache stores: int8, fp8_e4m3, or the model's dtype (kv_cache/quant.py dtype_name)."""
 
 
 class EngineCore:
@@ -57,7 +60,8 @@ class EngineCore:
         self._aborted: list[EngineCoreOutput] = []
         mc = config.model
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,
-                               num_blocks, cache.block_size, mc.max_logprobs, cache.enable_prefix_caching)
+                               num_blocks, cache.block_size, mc.max_logprobs, cache.enable_prefix_caching,
+                               dtype_name(self.kv_spec.dtype))
 
     def _load_tokenizer(self):
         # NOTE: the core produces no text; xgrammar alone needs the vocabulary's strings, on its compile thread.

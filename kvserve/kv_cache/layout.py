@@ -4,8 +4,9 @@ definition of a token's slot.
     slot = block_id * block_size + position % block_size,  block_id = block_table[position // block_size]
 
 The backend chooses the tensor's shape (`AttentionBackend.kv_cache_shape`); the spec carries what the
-shape is made of, the cache's dtype, and room for per-block scales (a quantized cache stores one scale per
-block, head and K/V alongside the values).
+shape is made of, the cache's dtype and, for a quantized cache (kv_cache/quant.py), the type of its scales:
+one per slot, KV head and K/V, in a tensor of their own beside the values
+(`AttentionBackend.kv_cache_scale_shape`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.kv_cache.quant import is_quantized
 from kvserve.kv_cache.sizing import kv_bytes
 
 
@@ -26,13 +28,31 @@ class KVCacheSpec:
     dtype: torch.dtype
     """The element type K/V are stored in."""
     scale_dtype: torch.dtype | None = None
-    """Per-block scales' type for a quantized cache (int8/fp8); None: the values are stored as they are."""
+    """The scales' type for a quantized cache (int8/fp8: one per slot, KV head and K/V); None: the values are
+    stored as they are."""
+
+    def __post_init__(self) -> None:
+        if (self.scale_dtype is None) == is_quantized(self.dtype):
+            raise ValueError(f"a {self.dtype} KV cache {'needs' if is_quantized(self.dtype) else 'takes no'} "
+                             f"scale_dtype, got {self.scale_dtype}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale_dtype is not None
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def scale_size(self) -> int:
+        """Bytes of one scale (0: unquantized)."""
+        return torch.empty((), dtype=self.scale_dtype).element_size() if self.quantized else 0
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x element size (scales excluded)."""
-        return kv_bytes(self.num_layers, self.num_kv_heads, self.head_dim,
-                        torch.empty((), dtype=self.dtype).element_size())
+        """2 (K and V) x layers x kv_heads x (head_dim x element size + scale size): scales included."""
+        return kv_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.element_size, self.scale_size)
 
     @property
     def num_tokens(self) -> int:

@@ -83,6 +83,7 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
     return kv_bytes(*attention_shape(config), dtype_bytes)
 
 
-def kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float) -> int:
-    """The formula: K and V, per layer, per KV head, per element of head_dim (scales not included)."""
-    return int(2 * num_layers * num_kv_heads * head_dim * dtype_bytes)
+def kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float, scale_bytes: int = 0) -> int:
+    """The formula: K and V, per layer, per KV head, head_dim elements plus, for a quantized cache
+    (kv_cache/quant.py), the bytes of that head's one scale."""
+    return int(2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes))

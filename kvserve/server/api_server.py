@@ -60,7 +60,7 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
                              use_process=config.engine_loop == "process")
         info = await engine.start()
         names = [config.served_model_name or info.model_name]
-        metrics = ServerMetrics(names[0])
+        metrics = ServerMetrics(names[0], info.kv_cache_dtype)
         engine.add_listener(metrics.on_step)
         if config.log_requests:
             engine.add_listener(_log_finished)
@@ -86,9 +86,9 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
         if config.stats_interval > 0:
             stats_task = asyncio.create_task(log_stats_periodically(metrics, lambda: engine.stats,
                                                                     config.stats_interval))
-        logger.info("engine ready (%s, %s): model %s, max_model_len %d, %d KV blocks of %d tokens",
+        logger.info("engine ready (%s, %s): model %s, max_model_len %d, %d KV blocks of %d tokens (%s)",
                     config.engine_loop, engine_args.device, names[0],
-                    info.max_model_len, info.num_kv_blocks, info.block_size)
+                    info.max_model_len, info.num_kv_blocks, info.block_size, info.kv_cache_dtype)
         logger.info("limits: body %d bytes, prompt text %d characters, n %d, stop strings %d of <= %d "
                     "characters, messages %d, logit_bias %d, max_tokens %s, request timeout %s",
                     state.body_limit, state.text_limit.max_chars, config.max_n, config.max_stop_strings,

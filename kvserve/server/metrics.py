@@ -26,7 +26,7 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
 class ServerMetrics:
     """The server's Prometheus metrics; `on_step` is an AsyncEngine listener."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, kv_cache_dtype: str = "float32"):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         ProcessCollector(registry=r)  # process_resident_memory_bytes etc. of the server process
@@ -77,6 +77,10 @@ class ServerMetrics:
                                  labels + ["finished_reason"], registry=r)
         self._rejected = Counter("kvserve:request_rejected", "Requests refused before running, by reason.",
                                  labels + ["reason"], registry=r)
+        # NOTE: vLLM's cache_config_info, reduced to the one label that changes what a block holds.
+        Gauge("kvserve:cache_config_info", "KV-cache configuration (value 1): cache_dtype is what K/V are "
+              "stored as (int8, fp8_e4m3, or the model's dtype).", labels + ["cache_dtype"],
+              registry=r).labels(model_name, kv_cache_dtype).set(1)
         self._model_name = model_name
         self._last = EngineStats()
         # Plain totals for the stats log line (reading them back from prometheus objects is clumsy).

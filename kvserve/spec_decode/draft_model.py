@@ -16,6 +16,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from kvserve.kv_cache.layout import KVCacheSpec, slot_mapping
+from kvserve.kv_cache.pool import KVPool
 from kvserve.models.llama import LlamaForCausalLM
 
 
@@ -28,9 +29,8 @@ class DraftModelProposer:
         self.backend = backend
         self.block_size = spec.block_size
         self.device = device
-        shape = backend.kv_cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_pool = torch.zeros((spec.num_layers, *shape), dtype=spec.dtype, device=device)
-        self.kv_caches = list(self.kv_pool.unbind(0))
+        self.kv_pool = KVPool.allocate(spec, backend, device)
+        self.kv_caches = self.kv_pool.layers
 
     @torch.inference_mode()
     def propose(self, batch, rows: np.ndarray, num_drafts: np.ndarray) -> list[list[int]]:

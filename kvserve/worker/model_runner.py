@@ -15,6 +15,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from kvserve.kv_cache.layout import KVCacheSpec, slot_mapping
+from kvserve.kv_cache.pool import KVPool
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sample.metadata import GrammarBitmask
@@ -60,10 +61,8 @@ class ModelRunner:
         self.spec = spec
         self.device = device
         self.vocab_size = model.config.vocab_size
-        shape = backend.kv_cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        # One allocation, viewed per layer (nano-vllm): no per-layer fragmentation.
-        self.kv_pool = torch.zeros((spec.num_layers, *shape), dtype=spec.dtype, device=device)
-        self.kv_caches = list(self.kv_pool.unbind(0))
+        self.kv_pool = KVPool.allocate(spec, backend, device)
+        self.kv_caches = self.kv_pool.layers
         max_blocks_per_req = -(-max_model_len // spec.block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks_per_req)
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request the worker has seen

@@ -14,6 +14,7 @@ from kvserve.attention.registry import make_backend
 from kvserve.config.engine import EngineConfig
 from kvserve.config.model import ModelConfig
 from kvserve.kv_cache.layout import KVCacheSpec
+from kvserve.kv_cache.quant import SCALE_DTYPE, dtype_name, is_quantized, resolve_kv_cache_dtype
 from kvserve.layers.linear_methods import default_method
 from kvserve.layers.lora import LoRABatch, LoRAMethod
 from kvserve.layers.parallel import ShardContext
@@ -73,10 +74,12 @@ class Worker:
         return model
 
     def kv_cache_spec(self, num_blocks: int, model: LlamaForCausalLM | None = None) -> KVCacheSpec:
+        """The target's (or the draft `model`'s) cache: both store --kv-cache-dtype."""
         model = model or self.model
         attn = model.layers[0].self_attn
+        dtype = resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.config.model.dtype)
         return KVCacheSpec(model.config.num_hidden_layers, num_blocks, self.config.cache.block_size,
-                           attn.num_kv_heads, attn.head_dim, self.config.model.dtype)
+                           attn.num_kv_heads, attn.head_dim, dtype, SCALE_DTYPE if is_quantized(dtype) else None)
 
     def determine_num_blocks(self) -> int:
         """KV blocks the budget holds: --num-gpu-blocks-override, else --kv-cache-memory on CPU, else the
@@ -103,12 +106,13 @@ class Worker:
         self.runner = ModelRunner(self.model, self.backend, spec, self.config.scheduler.max_num_seqs,
                                   self.config.model.max_model_len, self.device, proposer, self.lora)
         max_len = self.config.model.max_model_len
+        scales = f" + {spec.scale_size} B scale" if spec.quantized else ""
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %d bytes/token "
-            "= 2 x %d layers x %d kv_heads x %d head_dim x %d B; max concurrency at max_model_len %d: %.2fx",
-            spec.num_blocks, spec.block_size, spec.num_tokens, spec.num_bytes, spec.num_bytes / 2**30,
-            spec.bytes_per_token, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-            torch.empty((), dtype=spec.dtype).element_size(), max_len, spec.num_tokens / max_len)
+            "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %d bytes/token "
+            "= 2 x %d layers x %d kv_heads x (%d head_dim x %d B%s); max concurrency at max_model_len %d: %.2fx",
+            dtype_name(spec.dtype), spec.num_blocks, spec.block_size, spec.num_tokens, spec.num_bytes,
+            spec.num_bytes / 2**30, spec.bytes_per_token, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+            spec.element_size, scales, max_len, spec.num_tokens / max_len)
         return spec
 
     def _make_proposer(self, num_blocks: int) -> Proposer | None:
