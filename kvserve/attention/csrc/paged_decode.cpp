@@ -14,9 +14,9 @@
 //
 // A quantized cache (kvserve/kv_cache/quant.py: int8 or fp8 e4m3 values, one float32 scale per slot, KV
 // head and K/V in a tensor of their own) takes the same code with the element type as a template
-// parameter: each element is widened to float as the dot product or the V accumulation reads it, K's scale
-// folds into the token's score and V's into its softmax weight, so no dequantized copy is ever made and
-// DRAM delivers a byte per element instead of four.
+// parameter: a block's K and V rows of one KV head are widened to float times their scales into two
+// block-sized buffers that stay in L1, and the float code reads those. No dequantized copy of the context
+// is made (one block of one head at a time), and DRAM delivers a byte per element instead of four.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -54,6 +54,19 @@ inline float to_float(Fp8E4M3 x) {
   return f * 0x1p120f;
 }
 
+// rows [n, D] of one KV head (source rows `stride` elements apart) -> float rows [n, D], each times its scale.
+template <int kD, typename T>
+inline void dequantize_rows(const T* src, const float* scales, int64_t n, int64_t d_runtime, int64_t stride,
+                            int64_t scale_stride, float* dst) {
+  const int64_t D = kD > 0 ? kD : d_runtime;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* __restrict row = src + t * stride;
+    float* __restrict out = dst + t * D;
+    const float s = scales[t * scale_stride];
+    for (int64_t d = 0; d < D; ++d) out[d] = to_float(row[d]) * s;
+  }
+}
+
 template <int kD, typename T>
 void attend_one(const float* q,       // [Q, Hq, D] this sequence's query tokens (consecutive positions)
                 int64_t Q,
@@ -67,11 +80,13 @@ void attend_one(const float* q,       // [Q, Hq, D] this sequence's query tokens
   constexpr bool kQuantized = !std::is_same<T, float>::value;
   const int64_t D = kD > 0 ? kD : d_runtime;
   const int64_t G = g.group, BS = g.block_size, Hkv = g.num_kv_heads, Hq = Hkv * G, QG = Q * G;
-  scratch.resize(static_cast<size_t>(Q * Hq * D + QG * BS + 2 * Q * Hq));
+  scratch.resize(static_cast<size_t>(Q * Hq * D + QG * BS + 2 * Q * Hq + (kQuantized ? 2 * BS * D : 0)));
   float* acc = scratch.data();                // [Q, Hq, D]
   float* scores = acc + Q * Hq * D;           // [Q, G, BS], one KV head at a time
   float* run_max = scores + QG * BS;          // [Q, Hq]
   float* run_sum = run_max + Q * Hq;          // [Q, Hq]
+  float* k_rows = run_sum + Q * Hq;           // [BS, D] a quantized block's K of one head, dequantized
+  float* v_rows = k_rows + BS * D;            // [BS, D] its V
   std::fill(acc, acc + Q * Hq * D, 0.0f);
   std::fill(run_max, run_max + Q * Hq, -INFINITY);
   std::fill(run_sum, run_sum + Q * Hq, 0.0f);
@@ -96,23 +111,33 @@ void attend_one(const float* q,       // [Q, Hq, D] this sequence's query tokens
       }
     }
     for (int64_t h = 0; h < Hkv; ++h) {
-      const T* kbase = base + h * D;
+      const float* kbase;  // this head's K rows of the block, `stride` floats apart; V's the same
+      const float* vbase;
+      int64_t stride;
+      if constexpr (kQuantized) {
+        // NOTE: widened once per block and head into L1 (the G query heads then read floats), not once
+        // per query head inside the dot products and V sums, which made the byte-wide cache compute-bound.
+        dequantize_rows<kD>(base + h * D, sbase + h, n, D, g.slot_stride, g.scale_slot_stride, k_rows);
+        dequantize_rows<kD>(base + Hkv * D + h * D, sbase + Hkv + h, n, D, g.slot_stride, g.scale_slot_stride,
+                            v_rows);
+        kbase = k_rows, vbase = v_rows, stride = D;
+      } else {
+        kbase = base + h * D, vbase = base + Hkv * D + h * D, stride = g.slot_stride;
+      }
       // Query i (of Q) sees the block's first n_i tokens: the causal limit of its own position.
       for (int64_t t = 0; t < n; ++t) {
-        const T* __restrict k = kbase + t * g.slot_stride;
-        const float k_scale = kQuantized ? sbase[t * g.scale_slot_stride + h] * scale : scale;
+        const float* __restrict k = kbase + t * stride;
         const int64_t first_query = std::max<int64_t>(0, blk * BS + t - (seq_len - Q));
         for (int64_t i = first_query; i < Q; ++i) {
           const float* qh = q + (i * Hq + h * G) * D;
           for (int64_t j = 0; j < G; ++j) {
             const float* __restrict qj = qh + j * D;
             float s = 0.0f;
-            for (int64_t d = 0; d < D; ++d) s += qj[d] * to_float(k[d]);
-            scores[(i * G + j) * BS + t] = s * k_scale;
+            for (int64_t d = 0; d < D; ++d) s += qj[d] * k[d];
+            scores[(i * G + j) * BS + t] = s * scale;
           }
         }
       }
-      const T* vbase = base + Hkv * D + h * D;
       for (int64_t i = 0; i < Q; ++i) {
         const int64_t n_i = std::min(n, seq_len - (Q - 1 - i) - blk * BS);
         if (n_i <= 0) continue;  // the block lies past this query's position
@@ -136,9 +161,9 @@ void attend_one(const float* q,       // [Q, Hq, D] this sequence's query tokens
           float* __restrict out_acc = acc + head * D;
           for (int64_t d = 0; d < D; ++d) a[d] = out_acc[d] * correction;
           for (int64_t t = 0; t < n_i; ++t) {
-            const T* __restrict v = vbase + t * g.slot_stride;
-            const float wt = kQuantized ? s[t] * sbase[t * g.scale_slot_stride + Hkv + h] : s[t];
-            for (int64_t d = 0; d < D; ++d) a[d] += wt * to_float(v[d]);
+            const float* __restrict v = vbase + t * stride;
+            const float wt = s[t];
+            for (int64_t d = 0; d < D; ++d) a[d] += wt * v[d];
           }
           for (int64_t d = 0; d < D; ++d) out_acc[d] = a[d];
         }
