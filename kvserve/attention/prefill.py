@@ -1,9 +1,10 @@
 """Prefill chunks through PyTorch's flash SDPA, shared by both CPU backends.
 
 A chunk that starts at position 0 attends to its own k/v directly (nothing to gather); a later chunk
-gathers its context from the cache (dequantized as it is gathered, for a quantized cache: so a prompt's
-first chunk sees its own K/V in full precision, later chunks see what the cache stores, as decodes do). Chunks are cut into query tiles that each attend only up to their
-own last position, which skips most of the masked half of a long chunk.
+gathers its context from the cache. From a quantized cache the gather dequantizes, so a prompt's first
+chunk sees its own K/V in full precision and later chunks see what the cache stores, as decodes do.
+Chunks are cut into query tiles that each attend only up to their own last position, which skips most of
+the masked half of a long chunk.
 """
 from __future__ import annotations
 
