@@ -8,6 +8,7 @@ Response fields the schema requires are declared without defaults, so they are a
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -120,10 +121,64 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON Schema of an object; none means no parameters."""
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    """An entry of `tools`: only functions (OpenAI's custom tools are refused)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call this function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class MessageFunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Request):
+    """A call an earlier assistant message made (sent back in the conversation)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+    def template_dict(self) -> dict[str, Any]:
+        # NOTE: chat templates write arguments with `tojson`, so they get a dict, not the JSON text OpenAI
+        # sends (vLLM does the same); text that is not JSON is passed as it is.
+        args = self.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message's calls."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
 
     def text(self) -> str:
         """The content as one string; a list of text parts is joined with newlines (as vLLM does)."""
@@ -151,12 +206,13 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     """vLLM's extra: a Jinja template for this request (only with --trust-request-chat-template)."""
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """None: "auto" with tools, "none" without (OpenAI's defaults). See server/tool_choice.py."""
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
@@ -175,7 +231,16 @@ def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     # NOTE: chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return [_template_message(m) for m in messages]
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        message["tool_calls"] = [c.template_dict() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 class TokenizeRequest(_Request):
@@ -263,10 +328,23 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it."""
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ResponseToolCall] | None = Field(default=None, exclude_if=_none)
 
 
 class ChatChoice(BaseModel):
@@ -286,9 +364,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallChunk(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_none)
+    arguments: str | None = Field(default=None, exclude_if=_none)
+
+
+class ToolCallChunk(BaseModel):
+    """A piece of a streamed call: the first carries id, type and name; later ones argument text."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_none)
+    function: FunctionCallChunk | None = Field(default=None, exclude_if=_none)
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_none)
     content: str | None = Field(default=None, exclude_if=_none)
+    tool_calls: list[ToolCallChunk] | None = Field(default=None, exclude_if=_none)
 
 
 class ChatStreamChoice(BaseModel):
