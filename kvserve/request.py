@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestMetrics
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.manager import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +66,8 @@ class Request:
     error: str | None = None
     """Why the request failed (status FINISHED_ERROR)."""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    structured_output: StructuredOutputRequest | None = None
+    """Its grammar (compile, then matcher) when it asked for structured outputs."""
 
     @property
     def lora_int_id(self) -> int:

@@ -42,7 +42,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     """JSON without optional whitespace (compact)."""
     disable_additional_properties: bool = False
-    """JSON schemas: objects may not carry properties the schema does not name."""
+    """Accepted for vLLM compatibility; kvserve's JSON grammars are always strict (objects carry only the
+    properties their schema names)."""
     whitespace_pattern: str | None = None
 
     _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -83,8 +84,7 @@ class StructuredOutputsParams:
             spec = json.dumps(spec, sort_keys=True)
         elif isinstance(spec, (list, tuple)):
             spec = tuple(spec)
-        return (self.kind, spec, self.disable_any_whitespace, self.disable_additional_properties,
-                self.whitespace_pattern)
+        return (self.kind, spec, self.disable_any_whitespace, self.whitespace_pattern)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.spec_decode.policy import DraftLengthPolicy
+from kvserve.structured_output.manager import StructuredOutputManager
 from kvserve.worker.executor import UniprocExecutor
 
 logger = logging.getLogger("kvserve")
@@ -51,11 +52,18 @@ class EngineCore:
         policy = DraftLengthPolicy(spec.num_speculative_tokens, spec.adaptive) if spec else None
         self.scheduler = Scheduler(config.scheduler, kv, policy,
                                    spec_lookahead=spec is not None and spec.method == "draft_model",
-                                   max_loras=config.lora.max_loras if config.lora else None)
+                                   max_loras=config.lora.max_loras if config.lora else None,
+                                   structured=StructuredOutputManager(self._load_tokenizer, config.model.vocab_size))
         self._aborted: list[EngineCoreOutput] = []
         mc = config.model
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,
                                num_blocks, cache.block_size, mc.max_logprobs, cache.enable_prefix_caching)
+
+    def _load_tokenizer(self):
+        # NOTE: the core produces no text; xgrammar alone needs the vocabulary's strings, on its compile thread.
+        from kvserve.models.loader import load_tokenizer
+
+        return load_tokenizer(self.config.model.source)
 
     @staticmethod
     def freeze_gc() -> None:
@@ -101,6 +109,8 @@ class EngineCore:
         finish_reason "error" and the step goes on; anything else (the forward pass itself) raises: the
         engine's state is then no longer trusted."""
         sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and self.scheduler.has_compiling_requests:
+            self.scheduler.structured.wait_for_compiles(timeout=0.05)  # rather than spin on an idle step
         runner_out = self.executor.execute_model(sched_out)
         outputs = self.scheduler.update(sched_out, runner_out)
         aborted, self._aborted = self._aborted, []

@@ -4,13 +4,18 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from kvserve.engine.core import EngineInfo
 from kvserve.engine.core_types import EngineCoreRequest
 from kvserve.kv_cache.manager import PrefixExplanation
 from kvserve.lora.checker import AdapterChecker
 from kvserve.lora.request import LoRARequest
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.structured_output.grammar import build_grammar
+
+
+_MAX_CHECKED_GRAMMARS = 256
 
 
 def check_token_ids(token_ids, vocab_size: int, what: str) -> None:
@@ -46,6 +51,8 @@ class Processor:
         self.eos_token_ids = eos_ids
         self.adapters = adapters
         """Checks LoRA requests (None: the engine serves no adapters)."""
+        self._checked_grammars: OrderedDict[tuple, None] = OrderedDict()
+        """Structured-output specs that passed the check, most recent last."""
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Text -> token ids (with the tokenizer's BOS rules); token ids are checked against the vocabulary."""
@@ -78,7 +85,22 @@ class Processor:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs ({info.max_logprobs})")
         check_token_ids(params.logit_bias or {}, info.vocab_size, "logit_bias")
         check_token_ids(params.stop_token_ids, info.vocab_size, "stop_token_ids")
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params.structured_outputs)
         return max_tokens
+
+    def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Raises ValueError naming what is wrong with an invalid or unsupported spec (parsed once per spec)."""
+        # NOTE: the server checks on its tokenizer thread, then again on the event loop at admission: only
+        # single dict operations here, so the two never trip over each other.
+        key = spec.key()
+        if self._checked_grammars.pop(key, False) is None:
+            self._checked_grammars[key] = None
+            return
+        build_grammar(spec)
+        self._checked_grammars[key] = None
+        while len(self._checked_grammars) > _MAX_CHECKED_GRAMMARS:
+            self._checked_grammars.pop(next(iter(self._checked_grammars)), None)
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None,

@@ -37,6 +37,20 @@ class SparseLogits:
 
 
 @dataclass
+class GrammarBitmask:
+    """Structured outputs: the tokens each constrained logits row may take (xgrammar's bitmask layout)."""
+
+    bitmask: torch.Tensor  # [B, ceil(vocab / 32)] int32; bit t % 32 of word t // 32 set = token t allowed
+    row_idx: list[int]
+    """The constrained rows; the other rows of `bitmask` are ignored."""
+
+    def select(self, lo: int, hi: int) -> "GrammarBitmask | None":
+        """The part for logits rows [lo, hi) (re-indexed from 0); None if none of them is constrained."""
+        rows = [r - lo for r in self.row_idx if lo <= r < hi]
+        return GrammarBitmask(self.bitmask[lo:hi], rows) if rows else None
+
+
+@dataclass
 class PenaltyTensors:
     """Inputs of repetition/frequency/presence penalties; built only when some row has a penalty.
 
@@ -78,6 +92,8 @@ class SamplingMetadata:
     """Per row: params.logprobs (None = the row wants no logprobs)."""
     max_num_logprobs: int | None
     """Largest params.logprobs in the batch, capped at vocab_size; None if no row wants logprobs."""
+    grammar: GrammarBitmask | None = None
+    """Structured outputs: tokens outside a constrained row's grammar are set to -inf."""
 
     @property
     def num_rows(self) -> int:
@@ -91,7 +107,7 @@ class SamplingMetadata:
     def needs_processing(self) -> bool:
         """Whether any logits processor (bias, min_tokens, penalties) changes the logits."""
         return (self.penalties is not None or self.logit_bias is not None
-                or self.min_tokens_mask is not None)
+                or self.min_tokens_mask is not None or self.grammar is not None)
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingMetadata":
@@ -109,7 +125,7 @@ class SamplingMetadata:
     @classmethod
     def assemble(cls, dense: "DenseSamplingParams", generators: dict[int, torch.Generator],
                  sparse_rows: list[SamplingRow] | None, vocab_size: int,
-                 device: torch.device) -> "SamplingMetadata":
+                 device: torch.device, grammar: GrammarBitmask | None = None) -> "SamplingMetadata":
         """From per-row arrays (the worker keeps them in its input batch) and, when some row needs a logits
         processor (penalties, logit_bias, min_tokens), every row's SamplingRow; None when none does."""
         greedy = dense.temperature < _GREEDY_EPS                                   # [B]
@@ -139,6 +155,7 @@ class SamplingMetadata:
             min_tokens_mask=_build_min_tokens_mask(rows, device) if rows else None,
             num_logprobs=list(dense.num_logprobs),
             max_num_logprobs=min(max(wanted), vocab_size) if wanted else None,
+            grammar=grammar,
         )
 
 

@@ -56,7 +56,8 @@ class Sampler:
 
     @staticmethod
     def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Apply logit_bias, then min_tokens, then penalties; these precede greedy and random choice.
+        """Apply logit_bias, then min_tokens, then penalties, then the grammar bitmask (structured outputs);
+        these precede greedy and random choice.
 
         Returns `logits` itself when no row needs a processor, else a new [B, vocab] tensor.
         """
@@ -71,7 +72,17 @@ class Sampler:
             logits[mask.row_idx, mask.token_ids] = float("-inf")
         if meta.penalties is not None:
             logits = _apply_penalties(logits, meta)
+        if meta.grammar is not None:
+            _apply_grammar(logits, meta.grammar)
         return logits
+
+
+def _apply_grammar(logits: torch.Tensor, grammar) -> None:
+    """-inf outside each constrained row's grammar, in place: one call over the batch (xgrammar's kernel)."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, grammar.bitmask.to(logits.device), vocab_size=logits.shape[1],
+                                    indices=grammar.row_idx)
 
 
 def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

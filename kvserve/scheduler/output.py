@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
@@ -56,6 +58,11 @@ class SchedulerOutput:
     """Requests finished or aborted since the previous step: the worker forgets them."""
     preempted_req_ids: set[str] = field(default_factory=set)
     """Requests preempted this step: the worker drops their rows but keeps their state (tokens, seed)."""
+    grammar_bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32; bit set = token allowed
+    """Structured outputs: the allowed tokens of each constrained request sampling this step, one row per
+    scored position (1 + its drafts); None when no such request samples."""
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    """Constrained request -> its first row in grammar_bitmask."""
 
     @property
     def is_empty(self) -> bool:

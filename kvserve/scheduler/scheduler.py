@@ -19,6 +19,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.scheduler.policy import WaitingOrder
 from kvserve.spec_decode.policy import DraftLengthPolicy
+from kvserve.structured_output.manager import StructuredOutputManager
 from kvserve.worker.runner_output import ModelRunnerOutput
 
 
@@ -38,8 +39,10 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
                  spec_policy: DraftLengthPolicy | None = None, spec_lookahead: bool = False,
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, structured: StructuredOutputManager | None = None):
         self.config = config
+        self.structured = structured
+        """Grammars of structured-output requests (compiles, matchers, bitmasks); None: none are served."""
         self.kv = kv_manager
         self.spec_policy = spec_policy
         """How many drafts each request should get next (speculative decoding); None: no speculation."""
@@ -60,12 +63,18 @@ class Scheduler:
         self._num_blocks_sent: dict[str, int] = {}  # running request -> leading table blocks sent
         self._finished_ids: set[str] = set()         # finished since the last schedule()
         self._shrunk: set[str] = set()               # tables that gave blocks back since the worker last heard
+        self._failed: list[Request] = []             # failed before they ran (a grammar that did not compile)
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request, wait_for: Request | None = None) -> None:
         """Queue a validated request. `wait_for`: a sibling whose prompt KV this one should reuse,
         so it is not admitted before that sibling's prompt is computed."""
         request.status = RequestStatus.WAITING
+        so = request.sampling_params.structured_outputs
+        if so is not None:
+            if self.structured is None:
+                raise ValueError("this engine serves no structured outputs")
+            request.structured_output = self.structured.add(so, request.eos_token_ids)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if wait_for is not None:
@@ -137,6 +146,7 @@ class Scheduler:
         # take the blocks the preempted one needs to come back.
         if not preempted:
             self.order.reorder(self.waiting)
+        compiling = self._hold_back_compiling()
         admitted: list[Request] = []
         running_loras = {r.lora_int_id for r in self.running} - {0}
         while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
@@ -173,15 +183,49 @@ class Scheduler:
             scheduled.append((req, num_new))
             budget -= num_new
         self.order.after_admission(self.waiting, admitted)
+        self.waiting.extendleft(reversed(compiling))
 
         # stable: decodes first (a request verifying drafts is a run of decodes to the attention backends)
         scheduled.sort(key=lambda entry: entry[1] != 1 and not entry[0].spec_token_ids)
         to_propose = self._drafts_to_propose(scheduled) if self.spec_policy is not None else {}
         out = self._diff(scheduled, preempted)
         out.num_draft_tokens_to_propose = to_propose
+        if self.structured is not None:
+            self._add_grammar_bitmask(out, scheduled)
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
         return out
+
+    def _hold_back_compiling(self) -> list[Request]:
+        """Take the requests whose grammar is still compiling out of the queue for this step's admissions
+        (they go back to its front after), so that the requests behind them run meanwhile; a request whose
+        grammar failed to compile is failed."""
+        if self.structured is None or not any(r.structured_output is not None for r in self.waiting):
+            return []
+        held = []
+        for req in list(self.waiting):
+            so = req.structured_output
+            if so is None or self.structured.is_ready(so, req.eos_token_ids):
+                if so is not None and so.error is not None:
+                    self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, so.error)
+                    self._failed.append(req)
+                continue
+            self.waiting.remove(req)
+            held.append(req)
+        return held
+
+    def _add_grammar_bitmask(self, out: SchedulerOutput, scheduled: list[tuple[Request, int]]) -> None:
+        """The allowed tokens of each constrained request that samples this step, at each position it scores."""
+        entries = [(req.request_id, req.structured_output, req.spec_token_ids) for req, num_new in scheduled
+                   if req.structured_output is not None and req.num_computed_tokens + num_new >= req.num_tokens]
+        if entries:
+            out.grammar_bitmask, out.structured_output_request_ids = self.structured.fill_bitmask(entries)
+
+    @property
+    def has_compiling_requests(self) -> bool:
+        """Some waiting request waits for its grammar to compile."""
+        return self.structured is not None and any(
+            r.structured_output is not None and r.structured_output.matcher is None for r in self.waiting)
 
     def _lora_fits(self, req: Request, running_loras: set[int]) -> bool:
         """Whether admitting req keeps the running requests within max_loras distinct adapters. Every step
@@ -324,6 +368,9 @@ class Scheduler:
                 status = self._stop_status(req, token)
                 if status is not None:
                     break
+            so = req.structured_output
+            if so is not None and appended:
+                status = self._advance_grammar(req, appended, status)
             # A stop inside the accepted drafts leaves computed KV past the request's last token.
             req.num_computed_tokens = min(req.num_computed_tokens + num_scheduled - num_rejected, req.num_tokens)
             # Every computed token is now final (prompt, or output the sampler accepted): safe to share.
@@ -338,7 +385,7 @@ class Scheduler:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
             if status is not None:
-                self.finish_request(req_id, status)
+                self.finish_request(req_id, status, req.error if status == RequestStatus.FINISHED_ERROR else None)
             else:
                 if num_rejected and self.kv.free_tail(req):
                     sent = self._num_blocks_sent.get(req_id)
@@ -346,12 +393,26 @@ class Scheduler:
                         self._num_blocks_sent[req_id] = min(sent, self.kv.num_blocks_held(req_id))
                         self._shrunk.add(req_id)
                 drafts = runner_out.spec_token_ids.get(req_id)
+                if drafts and so is not None:
+                    drafts = drafts[:self.structured.valid_draft_prefix(so, drafts)]
                 if drafts:
                     req.spec_token_ids = list(drafts)
             row_logprobs = logprobs.get(req_id)
             outputs.append(self._output(req, appended, row_logprobs[:len(appended)] if row_logprobs else None,
                                         now))
+        if self._failed:
+            outputs += [self._output(req, [], None, now) for req in self._failed]
+            self._failed = []
         return outputs
+
+    def _advance_grammar(self, req: Request, tokens: list[int], status: RequestStatus | None) -> RequestStatus | None:
+        """Advance the request's matcher over its new tokens; a complete grammar stops the request."""
+        if not self.structured.accept(req.structured_output, tokens):
+            req.error = "structured output: a sampled token does not fit the grammar"
+            return RequestStatus.FINISHED_ERROR
+        if status is None and self.structured.is_terminated(req.structured_output):
+            return RequestStatus.FINISHED_STOPPED
+        return status
 
     def _record_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         stats = self.stats

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.errors import APIError
 
 
@@ -55,6 +55,10 @@ class _SamplingRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    """OpenAI's: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's extra: {"json" | "regex" | "choice" | "grammar" | "structural_tag": ..., options}."""
 
     @property
     def include_usage(self) -> bool:
@@ -83,11 +87,55 @@ class _SamplingRequest(_Request):
                 max_tokens = value if max_tokens is None else max_tokens
             else:
                 kwargs.setdefault(key, value)
+        structured = self.structured_outputs_params()
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias, **kwargs)
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
+                                  structured_outputs=structured, **kwargs)
         except ValueError as e:
             first = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=first if first in values or first == "max_tokens" else None) from None
+
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """response_format or structured_outputs as the engine's StructuredOutputsParams (APIError 400 if the
+        shape is wrong; whether the grammar compiles is checked at admission)."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise APIError(400, "set response_format or structured_outputs, not both", param="response_format")
+        if self.structured_outputs is not None:
+            fields = set(StructuredOutputsParams.__dataclass_fields__)
+            unknown = sorted(set(self.structured_outputs) - fields)
+            if unknown:
+                raise APIError(400, f"structured_outputs has unknown fields {unknown}; it takes "
+                                    f"{sorted(fields)}", param="structured_outputs")
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except (TypeError, ValueError) as e:
+                raise APIError(400, str(e), param="structured_outputs") from None
+        return _response_format_params(self.response_format)
+
+
+def _response_format_params(fmt: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError(400, "response_format json_schema needs a `json_schema` object "
+                                "({\"name\": ..., \"schema\": {...}})", param="response_format")
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        return StructuredOutputsParams(json=schema)
+    if kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag={k: v for k, v in fmt.items()})
+    raise APIError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   param="response_format")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -210,11 +258,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """None: "auto" with tools, "none" without (OpenAI's defaults). See server/tool_choice.py."""
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
@@ -222,11 +267,11 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages)
 
 
-def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Chat-template input for OpenAI messages. Raises APIError 400 for no messages."""
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")

@@ -86,6 +86,16 @@ class ServerState:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
 
+    async def check_structured_outputs(self, params: SamplingParams, param: str) -> None:
+        """An invalid or unsupported grammar -> 400 naming it (checked off the event loop: a large schema
+        takes a while to parse)."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.off_loop(self.engine.processor.check_structured_outputs, params.structured_outputs)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
     async def open_streams(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
                            prompt_param: str = "prompt",
                            cache_pin: tuple[int, float] | None = None,
@@ -162,7 +172,8 @@ def _engine_rejection(message: str, prompt_param: str) -> APIError:
     code = "context_length_exceeded" if "max_model_len" in message else None
     param = ("max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message
              else "logprobs" if "logprobs" in message else "logit_bias" if "logit_bias" in message
-             else "stop_token_ids" if "stop_token_ids" in message else None)
+             else "stop_token_ids" if "stop_token_ids" in message
+             else "structured_outputs" if "structured_outputs" in message else None)
     return APIError(400, message, param=param, code=code)
 
 

@@ -35,6 +35,8 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
     params = with_output_kind(tools.constrain(request.to_sampling_params(state.default_sampling)),
                               bool(request.stream))
     state.check_request(params)
+    await state.check_structured_outputs(params, "tools" if tools.constraint else
+                                         "structured_outputs" if request.structured_outputs else "response_format")
     kwargs = tools.template_kwargs(template_kwargs(request.chat_template_kwargs, request.chat_template,
                                                    state.config.trust_request_chat_template))
     prompt = await state.off_loop(render_chat_prompt, state.tokenizer, request.conversation(), state.text_limit,

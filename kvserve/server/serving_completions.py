@@ -26,6 +26,8 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
     model = state.resolve_model(request.model)
     params = with_output_kind(request.to_sampling_params(state.default_sampling), bool(request.stream))
     state.check_request(params, request.num_prompts)
+    await state.check_structured_outputs(params, "structured_outputs" if request.structured_outputs else
+                                         "response_format")
     prompts = await state.off_loop(completion_prompts, state.tokenizer, request.prompt, state.text_limit)
     run = _CompletionRun(state, request, model, prompts, params)
     streams = await state.open_streams(run.id, prompts, params, model=model)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvserve.lora.request import LoRARequest
-from kvserve.sample.metadata import DenseSamplingParams, SamplingMetadata, SamplingRow
+from kvserve.sample.metadata import DenseSamplingParams, GrammarBitmask, SamplingMetadata, SamplingRow
 from kvserve.sampling_params import SamplingParams
 
 
@@ -131,7 +131,8 @@ class InputBatch:
 
     # ---- sampling -----------------------------------------------------------------------------
     def sampling_metadata(self, rows: np.ndarray, vocab_size: int, device: torch.device,
-                          draft_prefixes: list[list[int]] | None = None) -> SamplingMetadata:
+                          draft_prefixes: list[list[int]] | None = None,
+                          grammar: GrammarBitmask | None = None) -> SamplingMetadata:
         """Sampling tensors for `rows` (logits row i belongs to batch row rows[i]; a request verifying drafts
         has one row per scored position, draft_prefixes[i] being the drafts before it): dense values by
         array indexing; per-row Python only when some row needs a logits processor."""
@@ -142,4 +143,4 @@ class InputBatch:
         sparse = None
         if any(s.needs_logits_processing for s in states):
             sparse = [s.sampling_row(draft_prefixes[i] if draft_prefixes else None) for i, s in enumerate(states)]
-        return SamplingMetadata.assemble(dense, generators, sparse, vocab_size, device)
+        return SamplingMetadata.assemble(dense, generators, sparse, vocab_size, device, grammar)

@@ -17,6 +17,7 @@ from kvserve.attention.backend import AttentionBackend, CommonAttentionMetadata
 from kvserve.kv_cache.layout import KVCacheSpec, slot_mapping
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.sample.metadata import GrammarBitmask
 from kvserve.sample.rejection_sampler import accept_prefix, rewind_generator
 from kvserve.sample.sampler import Sampler
 from kvserve.scheduler.output import SchedulerOutput
@@ -40,6 +41,8 @@ class StepInputs:
     num_logits: np.ndarray           # [S] logits rows per sampling request: 1 + its drafts
     drafts: list[list[int]]          # [S] the drafts each sampling request verifies (most have none)
     token_lora_ids: np.ndarray       # [T] each token's LoRA adapter id (0: the base model)
+    grammar: GrammarBitmask | None = None
+    """Structured outputs: allowed tokens per logits row of the constrained requests."""
 
 
 class ModelRunner:
@@ -210,7 +213,8 @@ class ModelRunner:
         return StepInputs(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), attn,
                           torch.from_numpy(logits_indices).to(dev), np.repeat(rows[sampling], num_logits),
                           sample_ids, num_logits, [spec.get(r, []) for r in sample_ids] if spec else
-                          [[] for _ in sample_ids], batch.lora_int_id[token_rows])
+                          [[] for _ in sample_ids], batch.lora_int_id[token_rows],
+                          _grammar_rows(out, sample_ids, num_logits) if out.grammar_bitmask is not None else None)
 
     # ---- sampling -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
@@ -226,7 +230,7 @@ class ModelRunner:
         states = [self.batch.states[self.batch.index[r]] for r in ids]
         saved = {i: s.generator.get_state() for i, s in enumerate(states) if s.generator is not None}
         try:
-            meta = self.batch.sampling_metadata(rows, self.vocab_size, logits.device, prefixes)
+            meta = self.batch.sampling_metadata(rows, self.vocab_size, logits.device, prefixes, inputs.grammar)
             result = self.sampler(logits, meta)
         except Exception:
             logger.exception("sampling a batch of %d failed; sampling its requests one by one", len(ids))
@@ -241,7 +245,8 @@ class ModelRunner:
                 states[i].generator.set_state(saved[i])
             try:
                 meta = self.batch.sampling_metadata(rows[lo:hi], self.vocab_size, logits.device,
-                                                    prefixes[lo:hi] if prefixes else None)
+                                                    prefixes[lo:hi] if prefixes else None,
+                                                    inputs.grammar.select(lo, hi) if inputs.grammar else None)
                 one = self.sampler(logits[lo:hi], meta)
             except Exception as e:
                 out.errors[req_id] = f"sampling failed: {type(e).__name__}: {e}"
@@ -270,6 +275,25 @@ class ModelRunner:
                 rewind_generator(states[i].generator, saved[i], n, self.vocab_size, self.device)
         wanted = any(lp is not None for lp in out_logprobs)
         return ModelRunnerOutput(list(ids), out_tokens, out_logprobs if wanted else None)
+
+
+def _grammar_rows(out: SchedulerOutput, sample_ids: list[str], num_logits: np.ndarray) -> GrammarBitmask | None:
+    """The scheduler's bitmask rows (one per scored position of each constrained request) laid out as the
+    logits rows: unconstrained rows allow everything and are left out of row_idx."""
+    first = out.structured_output_request_ids
+    starts = np.concatenate(([0], np.cumsum(num_logits)))
+    dst, src = [], []
+    for i, req_id in enumerate(sample_ids):
+        row = first.get(req_id)
+        if row is not None:
+            n = int(num_logits[i])
+            dst.extend(range(int(starts[i]), int(starts[i]) + n))
+            src.extend(range(row, row + n))
+    if not dst:
+        return None
+    bitmask = torch.full((int(starts[-1]), out.grammar_bitmask.shape[1]), -1, dtype=torch.int32)  # [N, W]
+    bitmask[dst] = out.grammar_bitmask[src]
+    return GrammarBitmask(bitmask, dst)
 
 
 def _draft_prefixes(drafts: list[list[int]]) -> list[list[int]] | None:
