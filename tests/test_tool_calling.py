@@ -485,8 +485,8 @@ def test_named_function_arguments_always_validate(client, model, check_schema, n
     rebuilt = _streamed_calls(client, **params)
     assert rebuilt.finish_reason == "tool_calls"
     _check_calls(rebuilt.message.tool_calls, [name])
-    if "seed" in sampling or sampling["temperature"] == 0:  # same sampling: the same arguments
-        assert rebuilt.message.tool_calls[0].function.arguments == choice.message.tool_calls[0].function.arguments
+    # greedy, or sampled with a seed: the stream writes the same arguments as the whole response
+    assert rebuilt.message.tool_calls[0].function.arguments == choice.message.tool_calls[0].function.arguments
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5, "n": 3}],
@@ -547,3 +547,87 @@ def test_bad_tool_requests_get_400(server, check_schema, body, needle):
     assert r.status_code == 400, r.text
     check_schema("ErrorResponse", r.json())
     assert needle in r.json()["error"]["message"]
+
+
+def test_named_calls_over_the_structured_output_schemas(client, model):
+    """Every object schema of the structured-output tests as a function's parameters: the call validates.
+    Two have unbounded values (a free string, free integers) that random weights may run on past
+    max_tokens; a cut call is reported as finish_reason "length", never passed off as complete."""
+    from structured_schemas import SCHEMAS as STRUCTURED
+
+    cases = [(name, prompt, schema) for name, prompt, schema in STRUCTURED if schema.get("type") == "object"]
+    assert len(cases) >= 20
+    validated = 0
+    for i, (name, prompt, schema) in enumerate(cases):
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], tools=[tool(name, schema), TOOLS[3]],
+            max_completion_tokens=400, tool_choice={"type": "function", "function": {"name": name}},
+            **({"temperature": 0} if i % 2 else {"temperature": 1.0, "seed": i}))
+        choice = out.choices[0]
+        assert choice.message.tool_calls[0].function.name == name
+        if choice.finish_reason == "length" and name in ("person", "ref_defs"):
+            continue
+        assert choice.finish_reason == "tool_calls", (name, choice)
+        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), schema)
+        validated += 1
+    assert validated >= len(cases) - 2
+
+
+SMOL_SCRIPT = ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+               '{"name": "set_alarm", "arguments": {"hour": 7, "minute": 30, "repeat": false}}]</tool_call>')
+
+
+def test_auto_parses_what_the_model_writes_through_the_server(client, model, check_schema):
+    """The model's output forced to a SmolLM2-format call list (a `choice` constraint): the real server
+    parses it, whole and streamed, and the openai client's stream helper rebuilds the same calls."""
+    params = dict(model=model, messages=MESSAGES, tools=TOOLS, max_completion_tokens=200, temperature=0,
+                  extra_body={"structured_outputs": {"choice": [SMOL_SCRIPT]}})
+    raw = client.chat.completions.with_raw_response.create(**params)
+    check_schema("CreateChatCompletionResponse", raw.http_response.json())
+    choice = raw.parse().choices[0]
+    expected = [("get_weather", {"city": "Paris", "unit": "celsius"}),
+                ("set_alarm", {"hour": 7, "minute": 30, "repeat": False})]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == expected
+    _check_calls(choice.message.tool_calls, SCHEMAS)
+    chunks = list(client.chat.completions.create(**params, stream=True))
+    for chunk in chunks:
+        check_schema("CreateChatCompletionStreamResponse", chunk.to_dict())
+    assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 4  # arguments come piecewise
+    rebuilt = _streamed_calls(client, **params)
+    assert rebuilt.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in rebuilt.message.tool_calls] == expected
+    none = client.chat.completions.create(**params, tool_choice="none")
+    assert none.choices[0].message.content == SMOL_SCRIPT and not none.choices[0].message.tool_calls
+
+
+# ---- the built-in SmolLM2-135M-Instruct --------------------------------------------------------
+GET_WEATHER = tool("get_weather", {"type": "object", "properties": {
+    "location": {"type": "string", "description": "City name, e.g. Paris", "maxLength": 40},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]},
+    description="Get the current weather in a given location")
+
+
+@pytest.fixture(scope="module")
+def smollm2_client(smollm2_path, tmp_path_factory):
+    for srv in served(smollm2_path, tmp_path_factory, "--stats-interval", "0"):
+        yield openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def test_smollm2_weather_question_with_a_weather_tool(smollm2_client, check_schema):
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    params = dict(model=smollm2_client.models.list().data[0].id, messages=messages, tools=[GET_WEATHER],
+                  max_completion_tokens=80, temperature=0)
+    raw = smollm2_client.chat.completions.with_raw_response.create(**params)  # tool_choice auto (the default)
+    check_schema("CreateChatCompletionResponse", raw.http_response.json())
+    auto = raw.parse().choices[0]
+    print(f"\nSmolLM2, tool_choice auto (greedy): finish_reason={auto.finish_reason} "
+          f"content={auto.message.content!r} tool_calls={[(c.function.name, c.function.arguments) for c in auto.message.tool_calls or []]}")
+    for call in auto.message.tool_calls or []:
+        assert call.function.name == "get_weather"  # the only tool it was shown
+    named = smollm2_client.chat.completions.create(
+        **params, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    print(f"SmolLM2, named get_weather: {call.function.arguments}")
+    assert named.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), GET_WEATHER["function"]["parameters"])
