@@ -125,7 +125,7 @@ def _methods():
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in _methods()])
-@pytest.mark.parametrize("rows", [1, 16, 512])
+@pytest.mark.parametrize("rows", [1, 13, 16, 512])  # 13: a full and a partial 8-row chunk
 def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, kernel_path):
     _, method, ggml_type = next(m for m in _methods() if m[0] == name)
     torch.manual_seed(3)

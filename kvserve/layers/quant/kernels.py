@@ -2,9 +2,10 @@
 else PyTorch (dequantize the whole weight, then F.linear: correct, slower). Both compute a matmul on the
 dequantized weight, so the two differ only by summation order.
 
-Past `DENSE_ROWS` input rows the kernels dequantize the weight into a float32 matrix and hand it to
-oneDNN/MKL: a prefill chunk is compute-bound there, and the extra pass over the weight costs little next to
-the matmul; below it (decode) the per-row kernel reads only the quantized bytes.
+From `DENSE_ROWS` input rows on, the weight is dequantized into a float32 matrix and handed to oneDNN (MKL's
+F.linear where oneDNN is absent): a prefill chunk is compute-bound there, and the extra pass over the weight
+costs little next to the matmul; below it (decode, small batches) the kernel reads only the quantized bytes,
+dequantizing in registers for up to 8 rows at a time.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import torch.nn.functional as F
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "quant_linear.cpp")
 
-DENSE_ROWS = 32
-"""Input rows from which a quantized layer dequantizes and calls the dense matmul (see bench.py)."""
+DENSE_ROWS = 24
+"""Input rows from which a quantized layer dequantizes and calls the dense matmul (bench.py measures both
+sides: the register kernel wins at decode sizes, oneDNN's blocked GEMM at prefill sizes)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,6 +57,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    w = w.to(x.dtype)
+    if x.device.type == "cpu" and x.dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        # NOTE: oneDNN on a plain (not prepacked) weight reorders it per call and still beats MKL's sgemm
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return F.linear(x, w, bias)
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] with w = int8_dequantize(q, scales, group)."""
@@ -62,7 +72,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: i
     m = _module()
     if (m is None or x2.shape[0] >= DENSE_ROWS or x2.dtype != torch.float32 or x2.device.type != "cpu"
             or group % 32):  # the kernel reads whole runs of 32 weights
-        y = F.linear(x2, int8_dequantize(q, scales, group).to(x2.dtype), bias)
+        y = _dense(x2, int8_dequantize(q, scales, group), bias)
     else:
         y = m.int8_linear(x2, q, scales, group)
         y = y if bias is None else y + bias
@@ -75,7 +85,7 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: to
     x2 = _rows(x)
     m = _module()
     if m is None or x2.shape[0] >= DENSE_ROWS or x2.dtype != torch.float32 or x2.device.type != "cpu":
-        y = F.linear(x2, int4_dequantize(q, scales, mins, group).to(x2.dtype), bias)
+        y = _dense(x2, int4_dequantize(q, scales, mins, group), bias)
     else:
         y = m.int4_linear(x2, q, scales, mins, group)
         y = y if bias is None else y + bias

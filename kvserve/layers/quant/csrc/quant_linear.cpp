@@ -13,6 +13,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -111,22 +112,42 @@ struct Int4Block {
   }
 };
 
-// Decode sizes (M <= 4): each weight block is dequantized in registers and used by every input row at once,
-// so the weight is read once and never written back.
-template <typename BlockFn>
-void linear_small(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t k, const BlockFn& block) {
+// Decode sizes: each weight block is dequantized in registers and used by MR input rows at once (one
+// accumulator register per row), so for up to MR rows the weight is read once and never written back.
+template <int MR, typename BlockFn>
+void linear_block_rows(const float* xp, float* yp, int64_t n_out, int64_t k, const BlockFn& block) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < n_out; ++n) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < k / 32; ++b) {
       __m512 w0, w1;
       block(n, b, w0, w1);
-      for (int64_t i = 0; i < m; ++i) {
+      for (int i = 0; i < MR; ++i) {
         acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + i * k + b * 32), w0, acc[i]);
         acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + i * k + b * 32 + 16), w1, acc[i]);
       }
     }
-    for (int64_t i = 0; i < m; ++i) yp[i * n_out + n] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < MR; ++i) yp[i * n_out + n] = _mm512_reduce_add_ps(acc[i]);
+  }
+}
+
+// M rows in chunks of at most 8 (the accumulators and the two weight vectors stay in the 32 zmm registers).
+template <typename BlockFn>
+void linear_small(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t k, const BlockFn& block) {
+  for (int64_t start = 0; start < m; start += 8) {
+    const float* x = xp + start * k;
+    float* y = yp + start * n_out;
+    switch (std::min<int64_t>(8, m - start)) {
+      case 1: linear_block_rows<1>(x, y, n_out, k, block); break;
+      case 2: linear_block_rows<2>(x, y, n_out, k, block); break;
+      case 3: linear_block_rows<3>(x, y, n_out, k, block); break;
+      case 4: linear_block_rows<4>(x, y, n_out, k, block); break;
+      case 5: linear_block_rows<5>(x, y, n_out, k, block); break;
+      case 6: linear_block_rows<6>(x, y, n_out, k, block); break;
+      case 7: linear_block_rows<7>(x, y, n_out, k, block); break;
+      default: linear_block_rows<8>(x, y, n_out, k, block); break;
+    }
   }
 }
 #endif
@@ -165,7 +186,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   const int64_t m = x.size(0), n_out = q.size(0);
   auto y = torch::empty({m, n_out}, x.options());
 #ifdef __AVX512F__
-  if (m <= 4) {
+  if (m <= 32) {
     linear_small(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, Int8Block{qp, sp, k, group});
     return y;
   }
@@ -188,7 +209,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   const int64_t m = x.size(0), n_out = q.size(0);
   auto y = torch::empty({m, n_out}, x.options());
 #ifdef __AVX512F__
-  if (m <= 4) {
+  if (m <= 32) {
     linear_small(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, Int4Block{qp, sp, mp, k, group});
     return y;
   }
