@@ -3,7 +3,8 @@
 Only the decoder layers' projections (qkv, o, gate/up, down) are quantized. The token embedding and the LM
 head stay in full precision: the embedding is a lookup (one row per token: its bytes are never read in
 bulk), and the LM head decides the next token directly, where a weight error is not averaged away by later
-layers (vLLM and llama.cpp's defaults treat the output layer the same way). Activations stay float32.
+layers (vLLM's quantization methods leave lm_head unquantized by default; llama.cpp gives output.weight more
+bits than the other tensors). Activations stay float32.
 """
 from __future__ import annotations
 

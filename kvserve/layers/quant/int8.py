@@ -3,9 +3,9 @@ weight; activations stay float32.
 
     w[n, k] ~= q[n, k] * scale[n],   q in [-127, 127],   scale[n] = max_k |w[n, k]| / 127
 
-The matmul is kernels.int8_linear (our AVX-512 kernel at decode sizes, a dequantized dense matmul
-at prefill sizes). PyTorch's `_weight_int8pack_mm` is fast only with bfloat16 activations, which would round every
-layer's input; with float32 ones it runs scalar code (`python -m kvserve.layers.quant.bench` shows both).
+The matmul is kernels.int8_linear (our AVX-512 kernel at decode sizes, a dequantized dense matmul at
+prefill sizes). PyTorch's `_weight_int8pack_mm` is fast only with bfloat16 activations, which would round
+every layer's input; with float32 ones it runs scalar code (`python -m kvserve.layers.quant.bench`).
 """
 from __future__ import annotations
 

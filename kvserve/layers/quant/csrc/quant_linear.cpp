@@ -1,7 +1,7 @@
 // Weight-only quantized linear layers for CPU float32 activations: y[m, n] = sum_k x[m, k] * w[n, k], with w
 // dequantized one output row at a time into a float32 buffer (L1-sized) and dotted with every input row.
-// PyTorch's own weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) vectorize only
-// bfloat16/float16 inputs; with float32 inputs they fall back to scalar code. Here the weight bytes are read
+// PyTorch's own weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are fast only with
+// bfloat16 inputs; with float32 (or float16) ones they run scalar code. Here the weight bytes are read
 // once per call, and the products equal a dense matmul on the dequantized weight up to summation order.
 //
 // Formats (w is [N, K], groups of `group` input columns, group a multiple of 32):
