@@ -43,13 +43,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="../shared/workloads/mixed.jsonl", help="prompts (.jsonl)")
     parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of the workload (all)")
     parser.add_argument("--quantization", default="int8",
-                        help="comma-separated weight quantizations to compare, each alone (empty: none)")
+                        help="comma-separated weight quantizations (the engine's --quantization values) to "
+                             "compare, each alone; empty: none")
     parser.add_argument("--kv-cache-dtype", default="",
-                        help="comma-separated KV-cache dtypes to compare, each alone (empty: none)")
+                        help="comma-separated KV-cache dtypes (the engine's --kv-cache-dtype values) to compare, "
+                             "each alone; empty: none")
     parser.add_argument("--top-k", type=int, default=64, help="entries per position the metrics use")
     parser.add_argument("--chunk", type=int, default=32, help="prefill chunk (max_num_batched_tokens)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON too")
-    EngineArgs.add_cli_args(parser.add_argument_group("engine (the reference setting; others change one flag)"))
+    # NOTE: --quantization and --kv-cache-dtype are this command's lists of settings, not one engine value.
+    EngineArgs.add_cli_args(parser.add_argument_group("engine (the reference setting; others change one flag)"),
+                            exclude=("quantization", "kv_cache_dtype"))
 
 
 def settings(args) -> list[tuple[str, dict]]:
@@ -114,7 +118,9 @@ def run(args) -> int:
         raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
     requests = load_workload(args.workload, args.num_prompts)
     prompts = [r.prompt_token_ids for r in requests]
-    base = dataclasses.replace(EngineArgs.from_cli(args), max_num_batched_tokens=args.chunk,
+    engine_flags = argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                         if k not in ("quantization", "kv_cache_dtype")})
+    base = dataclasses.replace(EngineArgs.from_cli(engine_flags), max_num_batched_tokens=args.chunk,
                                max_logprobs=max(args.top_k, 20), speculative_config=None)
     rows, ref = [], None
     for label, changes in settings(args):

@@ -179,8 +179,8 @@ class EngineArgs:
 
     # ---- CLI generation -------------------------------------------------------------------
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_dataclass_args(cls, parser)
+    def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+        add_dataclass_args(cls, parser, exclude)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":
