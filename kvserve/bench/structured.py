@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_side(engine, requests: list[WorkloadRequest], params_of) -> SideResult:
+    # NOTE: both sides share one engine and the same prompts: without this, the second side would find every
+    # prompt in the prefix cache and skip its prefill.
+    engine.scheduler.kv.reset_prefix_cache()
     start = time.perf_counter()
     for r in requests:
         engine.add_request(r.id, r.prompt_token_ids, params_of(r))

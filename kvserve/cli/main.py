@@ -22,6 +22,7 @@ _BENCH = {
     "lora": ("kvserve.bench.lora", "a workload over N LoRA adapters: multi-LoRA vs the base model vs one engine per adapter"),
     "spec": ("kvserve.bench.spec", "speculative decoding off vs on (repeat at concurrency 1 and 16, mixed), same run"),
     "structured": ("kvserve.bench.structured", "a workload with a JSON schema vs without (same token counts), same run"),
+    "quality": ("kvserve.bench.quality", "quantized settings vs the full-precision model, teacher-forced: top-1 agreement, KL, perplexity"),
     "steps": ("kvserve.bench.steps", "time each engine step of a workload, by kind of step (where time goes)"),
     "soak": ("kvserve.bench.soak", "a fault soak: random, partly hostile traffic for M minutes, then leak checks"),
     "compare": ("kvserve.bench.compare", "kvserve vs vLLM CPU, OpenVINO GenAI, llama.cpp, transformers, same run"),

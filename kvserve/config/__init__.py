@@ -8,8 +8,10 @@ from kvserve.config.load import LoadConfig
 from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
+from kvserve.config.quantization import QuantizationConfig
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.config.speculative import SpeculativeConfig
 
 __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig",
-           "DeviceConfig", "LoadConfig", "LoRAConfig", "SpeculativeConfig"]
+           "DeviceConfig", "LoadConfig", "LoRAConfig", "SpeculativeConfig",
+           "QuantizationConfig"]

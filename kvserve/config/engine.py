@@ -9,6 +9,7 @@ from kvserve.config.load import LoadConfig
 from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
+from kvserve.config.quantization import QuantizationConfig
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.config.speculative import SpeculativeConfig
 
@@ -26,5 +27,7 @@ class EngineConfig:
     """speculative method draft_model: the draft checkpoint (target's vocabulary, dtype and max_model_len)."""
     lora: LoRAConfig | None = None
     """enable_lora: adapter slots and limits; None: the base model only."""
+    quantization: QuantizationConfig = QuantizationConfig()
+    """The target model's weight-only quantization (the draft model stays unquantized)."""
     seed: int = 0
     """Seed of the default generator that unseeded requests draw from."""

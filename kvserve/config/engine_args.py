@@ -19,6 +19,7 @@ from kvserve.config.load import LoadConfig
 from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import ParallelConfig
+from kvserve.config.quantization import QuantizationConfig
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.config.speculative import SpeculativeConfig
 from kvserve.kv_cache.quant import KV_CACHE_DTYPES
@@ -46,6 +47,15 @@ class EngineArgs:
         "help": "auto (on CPU: the C++ paged decode kernel and fused layer ops when they build), cpu_paged, "
                 "or torch_ref (PyTorch only, the reference path; torch_sdpa is its old name)",
         "choices": _ATTENTION_BACKENDS})
+    quantization: str | None = field(default=None, metadata={
+        "help": "weight-only quantization of the decoder layers' linear weights (embedding and LM head stay full "
+                "precision; activations float32): int8 (per-output-channel), int4 (group-wise, see "
+                "--quantization-group-size), gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored); default: none "
+                "(a quantized GGUF file is dequantized to --dtype)",
+        "choices": ("int8", "int4", "gguf")})
+    quantization_group_size: int = field(default=128, metadata={
+        "help": "int4: input columns per scale/min group, 32, 64 or 128; must divide every layer's input size "
+                "(the built-in SmolLM2's 576: 32 or 64)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: str = field(default="2GiB", metadata={
         "help": "KV-cache pool size on CPU, e.g. 2GiB or 512MiB"})
@@ -114,6 +124,10 @@ class EngineArgs:
         self._cache_config()
         self._scheduler_config(max_model_len=self.max_model_len or 1)
         self._lora_config()
+        self._quantization_config()
+
+    def _quantization_config(self) -> QuantizationConfig:
+        return QuantizationConfig(self.quantization, self.quantization_group_size)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -144,6 +158,8 @@ class EngineArgs:
         """Resolve the flags into one config per concern (reads the model's config file, not its weights)."""
         device = DeviceConfig(DeviceConfig.resolve_device(self.device), self.attention_backend, self.num_threads)
         model = ModelConfig.resolve(self.model, self.dtype, device.device, self.max_model_len, self.max_logprobs)
+        quantization = self._quantization_config()
+        quantization.check_source(model.source)
         speculative = SpeculativeConfig.parse(self.speculative_config)
         draft = None
         if speculative is not None and speculative.method == "draft_model":
@@ -165,12 +181,13 @@ class EngineArgs:
             speculative=speculative,
             draft_model=draft,
             lora=self._lora_config(),
+            quantization=quantization,
             seed=self.seed)
 
     # ---- CLI generation -------------------------------------------------------------------
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_dataclass_args(cls, parser)
+    def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+        add_dataclass_args(cls, parser, exclude)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":

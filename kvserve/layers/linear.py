@@ -29,6 +29,9 @@ class LinearBase(nn.Module):
         self.method = method or DenseMethod()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.checkpoint_parts: list[tuple[int, object]] = []
+        """(first row, part) of each weight part kept in the checkpoint's own encoding (a GGUF block tensor,
+        layers/quant/gguf_blocks.py: not a torch.Tensor) for the method to repack; empty otherwise."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
@@ -38,12 +41,24 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, name: str, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy this rank's part of checkpoint tensor `loaded` into parameter `name` ("weight" or "bias")."""
-        param = getattr(self, name)
-        _copy(param.data, loaded)
+        _copy_rows(self, name, 0, getattr(self, name).shape[0], loaded)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, method={self.method.name}, "
                 f"tp={self.tp_rank}/{self.tp_size}")
+
+
+def _copy_rows(layer: LinearBase, name: str, start: int, size: int, src) -> None:
+    """Fill rows [start, start + size) of parameter `name` from `src`: a tensor is copied; a weight part kept
+    in checkpoint blocks (not a tensor: it has .shape and .narrow) is recorded for the method to repack
+    (`checkpoint_parts`) and the rows are left as they are."""
+    dest = getattr(layer, name).data.narrow(0, start, size)
+    if isinstance(src, torch.Tensor):
+        _copy(dest, src)
+        return
+    if name != "weight" or tuple(dest.shape) != tuple(src.shape):
+        raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
+    layer.checkpoint_parts.append((start, src))
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
@@ -70,8 +85,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size // tp_size, bias, method, tp_rank, tp_size)
 
     def weight_loader(self, name: str, loaded: torch.Tensor, shard_id=None) -> None:
-        param = getattr(self, name)
-        _copy(param.data, _rank_slice(loaded, 0, param.shape[0], self.tp_rank))
+        size = getattr(self, name).shape[0]
+        _copy_rows(self, name, 0, size, _rank_slice(loaded, 0, size, self.tp_rank))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -86,10 +101,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, method, tp_rank, tp_size)
 
     def weight_loader(self, name: str, loaded: torch.Tensor, shard_id=None) -> None:
-        param = getattr(self, name)
         start = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
-        _copy(param.data.narrow(0, start, size), _rank_slice(loaded, 0, size, self.tp_rank))
+        _copy_rows(self, name, start, size, _rank_slice(loaded, 0, size, self.tp_rank))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -111,17 +125,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         LinearBase.__init__(self, hidden_size, output, bias, method, tp_rank, tp_size)
 
     def weight_loader(self, name: str, loaded: torch.Tensor, shard_id=None) -> None:
-        param = getattr(self, name)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            dest, src = param.data.narrow(0, 0, q), _rank_slice(loaded, 0, q, self.tp_rank)
+            start, size, src = 0, q, _rank_slice(loaded, 0, q, self.tp_rank)
         elif shard_id in ("k", "v"):
-            start = q if shard_id == "k" else q + kv
-            dest = param.data.narrow(0, start, kv)
+            start, size = (q if shard_id == "k" else q + kv), kv
             src = loaded.narrow(0, self.kv_head_start * self.head_dim, kv)
         else:
             raise ValueError(f"QKV shard must be q, k or v, got {shard_id!r}")
-        _copy(dest, src)
+        _copy_rows(self, name, start, size, src)
 
 
 class RowParallelLinear(LinearBase):
@@ -148,4 +160,4 @@ class RowParallelLinear(LinearBase):
         if name == "bias":
             _copy(param.data, loaded)
         else:
-            _copy(param.data, _rank_slice(loaded, 1, param.shape[1], self.tp_rank))
+            _copy_rows(self, name, 0, param.shape[0], _rank_slice(loaded, 1, param.shape[1], self.tp_rank))

@@ -305,8 +305,17 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+# The decoder layers' linear weights: what `keep_blocks` may keep in the file's blocks.
+_LINEAR_SUFFIXES = tuple(hf for gguf_suffix, hf in _LAYER_TENSORS.items() if "norm" not in gguf_suffix)
+
+
+def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32,
+                      keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` for every tensor of a `llama` GGUF file, dequantized.
+
+    keep_blocks (`--quantization gguf`): the decoder layers' linear weights stored as Q4_0, Q4_1 or Q8_0 come
+    out as `GGUFWeight` (layers/quant/gguf_blocks.py: the file's blocks, rows in HF order) instead; every
+    other tensor (norms, the embedding, the LM head, other block types) is dequantized as usual.
 
     Tensors come out in HF layout (`[out_features, in_features]` for linear weights) with
     HF Llama names; Q and K projections have llama.cpp's RoPE row permutation reversed, so the
@@ -337,8 +346,20 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32) -> Iterator
             hint = " (rope_freqs.weight is Llama-3.1-style RoPE frequency scaling, which is not supported)"
         raise ValueError(f"{path}: GGUF tensors with no HF Llama counterpart: {', '.join(unknown)}{hint}")
 
+    from kvserve.layers.quant.gguf_blocks import KEPT_TYPES, GGUFWeight
+
     for tensor in reader.tensors:
         hf_name = names[tensor.name]
+        if keep_blocks and tensor.tensor_type in KEPT_TYPES and hf_name.endswith(_LINEAR_SUFFIXES):
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            blocks = np.asarray(tensor.data).reshape(shape[0], -1)            # [out, in / 32 * block bytes]
+            if tensor.name.endswith(".attn_q.weight"):  # whole rows move: the blocks within a row do not
+                blocks = _unpermute_rope_rows(blocks, config.num_attention_heads)
+            elif tensor.name.endswith(".attn_k.weight"):
+                blocks = _unpermute_rope_rows(blocks, config.num_key_value_heads)
+            yield hf_name, GGUFWeight(np.array(blocks, order="C"), gguf.GGMLQuantizationType(tensor.tensor_type),
+                                      shape)
+            continue
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # GGUF lists dims fastest-first (ggml's ne[]); HF lists them slowest-first.
         expected_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))

@@ -137,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
     the rows that are sampled, which on CPU saves most of the 49k-wide head's cost during prefill."""
 
     def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend, max_positions: int,
-                 method: LinearMethod, shard: ShardContext = ShardContext()):
+                 method: LinearMethod, shard: ShardContext = ShardContext(), head_method: LinearMethod | None = None):
         super().__init__()
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard.rank, shard.size,
@@ -147,8 +147,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
         tied = self.embed_tokens if getattr(cfg, "tie_word_embeddings", False) else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, method, tied, shard.rank, shard.size,
-                                      shard.all_gather)
+        # head_method: a quantized model keeps its LM head in full precision (layers/quant/__init__.py)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, head_method or method, tied, shard.rank,
+                                      shard.size, shard.all_gather)
         self.ops: LayerOps = LayerOps()  # the worker swaps in FusedLayerOps where they build
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

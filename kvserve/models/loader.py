@@ -70,10 +70,12 @@ def load_tokenizer(source: ModelSource):
     return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
 
 
-def iter_checkpoint_tensors(source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_tensors(source: ModelSource, dtype: torch.dtype,
+                            keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """keep_blocks: a GGUF file's quantized linear weights as stored (gguf_loader.iter_gguf_tensors)."""
     if source.kind == "gguf":
         from kvserve.models.gguf_loader import iter_gguf_tensors
-        yield from iter_gguf_tensors(source.path, dtype)
+        yield from iter_gguf_tensors(source.path, dtype, keep_blocks)
         return
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
@@ -86,11 +88,13 @@ def iter_checkpoint_tensors(source: ModelSource, dtype: torch.dtype) -> Iterator
 
 
 def build_model(hf_config, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-                device: torch.device, method: LinearMethod, shard: ShardContext = ShardContext()) -> LlamaForCausalLM:
-    """The network with uninitialised weights on `device` (fill it with weight_loader.load_weights)."""
+                device: torch.device, method: LinearMethod, shard: ShardContext = ShardContext(),
+                head_method: LinearMethod | None = None) -> LlamaForCausalLM:
+    """The network with uninitialised weights on `device` (fill it with weight_loader.load_weights).
+    head_method: the LM head's, when it differs from the decoder layers' (quantized layers, full-precision head)."""
     _, feats = resolve_architecture(hf_config)
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, feats, backend, max_positions, method, shard)
+        model = LlamaForCausalLM(hf_config, feats, backend, max_positions, method, shard, head_method)
     model = model.to_empty(device=device).to(dtype)
     if model.lm_head.tied:  # to_empty gave the head its own storage: share the embedding's again
         model.lm_head.weight = model.embed_tokens.weight

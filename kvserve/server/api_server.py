@@ -38,6 +38,7 @@ from kvserve.server.serving_chat import create_chat_completion
 from kvserve.server.serving_completions import create_completion
 from kvserve.server.serving_debug import explain_prefix, prefix_cache_stats
 from kvserve.server.serving_messages import count_tokens, create_message
+from kvserve.server.tool_parsers import resolve_tool_parser
 
 logger = logging.getLogger("kvserve.server")
 
@@ -70,7 +71,9 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
                             int(time.time()), TextLimit.of(engine.tokenizer, info.max_model_len),
                             config.body_limit(info.max_model_len),
                             default_sampling=engine.default_sampling,
-                            loras=LoRARegistry(engine_args.enable_lora, config.allowed_lora_dirs))
+                            loras=LoRARegistry(engine_args.enable_lora, config.allowed_lora_dirs),
+                            tool_parser=resolve_tool_parser(config.tool_call_parser,
+                                                            getattr(engine.tokenizer, "chat_template", None)))
         app.state.kvserve = state
         try:
             for name, path in parse_lora_modules(config.lora_modules):
@@ -80,6 +83,9 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
             raise RuntimeError(f"--lora-modules: {getattr(e, 'message', e)}") from None
         logger.info("default sampling parameters (--generation-config %s): %s", engine_args.generation_config,
                     state.default_sampling or "none (the API's own)")
+        logger.info("tool calling: parser %s (--tool-call-parser %s), auto tool choice %s",
+                    state.tool_parser.name if state.tool_parser else "none", config.tool_call_parser,
+                    "on" if config.enable_auto_tool_choice and state.tool_parser else "off")
         if state.loras.names:
             logger.info("LoRA adapters: %s", ", ".join(f"{r.lora_name} ({r.lora_path})" for r in state.loras.adapters()))
         stats_task = None

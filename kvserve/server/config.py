@@ -9,6 +9,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from kvserve import envs
+from kvserve.server import tool_parsers
 from kvserve.utils.cli_args import add_dataclass_args, dataclass_from_args
 from kvserve.utils.sizes import parse_size
 
@@ -71,6 +72,13 @@ class ServerConfig:
         "help": "where the engine steps: its own process (see docs/SERVER.md for why) or a thread of the "
                 "server process", "choices": ("process", "thread")})
     access_log: bool = field(default=True, metadata={"help": "log one line per HTTP request"})
+    enable_auto_tool_choice: bool = field(default=True, metadata={
+        "help": "let the model decide whether to call tools (tool_choice auto, the default when a request has "
+                "tools), read by --tool-call-parser; vLLM's flag, on by default here"})
+    tool_call_parser: str = field(default=tool_parsers.AUTO, metadata={
+        "help": "how tool calls are read from the model's output: auto (from the chat template: smollm2 for "
+                "SmolLM2, hermes for templates with <tool_call>), hermes or smollm2",
+        "choices": (tool_parsers.AUTO, *tool_parsers.PARSER_NAMES)})
 
     def __post_init__(self) -> None:
         def at_least(name: str, low: float) -> None:
@@ -92,6 +100,8 @@ class ServerConfig:
             raise ValueError(f"engine_loop must be process or thread, got {self.engine_loop!r}")
         if self.api_key is not None and (not self.api_key or not all(self.api_key)):
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser != tool_parsers.AUTO:
+            tool_parsers.get_tool_parser(self.tool_call_parser)  # ValueError naming the known parsers
 
     def body_limit(self, max_model_len: int) -> int:
         """--max-body-size in bytes (auto: derived from max_model_len)."""

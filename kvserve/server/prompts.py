@@ -90,13 +90,18 @@ def template_kwargs(kwargs: dict | None, chat_template: str | None, trusted: boo
     return kwargs
 
 
-def render_chat(tokenizer, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
-    """The model's chat template applied to the conversation; template errors are the client's (400)."""
+def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> str:
+    """The model's chat template applied to the conversation; template errors are the client's (400).
+
+    tools: OpenAI's tool objects, passed as HF's apply_chat_template takes them (the template renders them)."""
     if getattr(tokenizer, "chat_template", None) is None and "chat_template" not in (template_kwargs or {}):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     if continue_final_message and add_generation_prompt:
         add_generation_prompt = False  # NOTE: continuing the assistant's message excludes opening a new one
+    if tools:
+        template_kwargs = {**(template_kwargs or {}), "tools": tools}
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
@@ -115,9 +120,10 @@ def chat_prompt(tokenizer, text: str, limit: TextLimit) -> Prompt:
     return Prompt(tokenizer.encode(text, add_special_tokens=False), text)
 
 
-def render_chat_prompt(tokenizer, conversation: list[dict[str, str]], limit: TextLimit,
+def render_chat_prompt(tokenizer, conversation: list[dict], limit: TextLimit,
                        add_generation_prompt: bool = True, continue_final_message: bool = False,
-                       template_kwargs: dict | None = None) -> Prompt:
+                       template_kwargs: dict | None = None, tools: list[dict] | None = None) -> Prompt:
     """render_chat then chat_prompt, as one call for the tokenizer thread."""
-    text = render_chat(tokenizer, conversation, add_generation_prompt, continue_final_message, template_kwargs)
+    text = render_chat(tokenizer, conversation, add_generation_prompt, continue_final_message, template_kwargs,
+                       tools)
     return chat_prompt(tokenizer, text, limit)

@@ -8,6 +8,7 @@ Response fields the schema requires are declared without defaults, so they are a
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -174,10 +175,64 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON Schema of an object; none means no parameters."""
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    """An entry of `tools`: only functions (OpenAI's custom tools are refused)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call this function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class MessageFunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Request):
+    """A call an earlier assistant message made (sent back in the conversation)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+    def template_dict(self) -> dict[str, Any]:
+        # NOTE: chat templates write arguments with `tojson`, so they get a dict, not the JSON text OpenAI
+        # sends (vLLM does the same); text that is not JSON is passed as it is.
+        args = self.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message's calls."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
 
     def text(self) -> str:
         """The content as one string; a list of text parts is joined with newlines (as vLLM does)."""
@@ -205,11 +260,12 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     """vLLM's extra: a Jinja template for this request (only with --trust-request-chat-template)."""
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """None: "auto" with tools, "none" without (OpenAI's defaults). See server/tool_choice.py."""
+    parallel_tool_calls: bool | None = None
 
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
@@ -218,16 +274,25 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults,
                                      self._checked_prompt_logprobs())
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages)
 
 
-def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Chat-template input for OpenAI messages. Raises APIError 400 for no messages."""
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     # NOTE: chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return [_template_message(m) for m in messages]
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        message["tool_calls"] = [c.template_dict() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 class TokenizeRequest(_Request):
@@ -328,10 +393,23 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it."""
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ResponseToolCall] | None = Field(default=None, exclude_if=_none)
 
 
 class ChatChoice(BaseModel):
@@ -352,9 +430,24 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobsField | None = Field(default=None, exclude_if=_none)
 
 
+class FunctionCallChunk(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_none)
+    arguments: str | None = Field(default=None, exclude_if=_none)
+
+
+class ToolCallChunk(BaseModel):
+    """A piece of a streamed call: the first carries id, type and name; later ones argument text."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_none)
+    function: FunctionCallChunk | None = Field(default=None, exclude_if=_none)
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_none)
     content: str | None = Field(default=None, exclude_if=_none)
+    tool_calls: list[ToolCallChunk] | None = Field(default=None, exclude_if=_none)
 
 
 class ChatStreamChoice(BaseModel):

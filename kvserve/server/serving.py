@@ -26,6 +26,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.limits import check_sampling
 from kvserve.server.lora_registry import LoRARegistry
 from kvserve.server.prompts import Prompt, TextLimit
+from kvserve.server.tool_parsers import TaggedJsonParser
 
 logger = logging.getLogger("kvserve.server")
 
@@ -54,6 +55,8 @@ class ServerState:
     endpoints)."""
     loras: LoRARegistry = field(default_factory=lambda: LoRARegistry(False, None))
     """LoRA adapters by name (a request's `model` may name one)."""
+    tool_parser: TaggedJsonParser | None = None
+    """--tool-call-parser, resolved for the model (None: no parser known; tool_choice "auto" is refused)."""
     draining: bool = False
     """Set on SIGTERM: new requests get 503 while in-flight ones finish."""
     tokenizer_thread: ThreadPoolExecutor = field(

@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> a chat completion or SSE stream.
 
 A stream opens each choice with a `{"role": "assistant", "content": ""}` delta, then sends content
-deltas, the last of which carries finish_reason (OpenAI's chunk sequence).
+deltas, the last of which carries finish_reason (OpenAI's chunk sequence). With tools, the output goes
+through the request's tool parser (tool_choice.py, tool_output.py): calls stream as `tool_calls` deltas.
 """
 from __future__ import annotations
 
@@ -18,24 +19,30 @@ from kvserve.server.logprobs import chat_logprobs, prompt_logprobs_field
 from kvserve.server.limits import check_messages
 from kvserve.server.prompts import render_chat_prompt, template_kwargs
 from kvserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
-                                     ChatCompletionResponse, ChatDelta, ChatResponseMessage, ChatStreamChoice, Usage)
+                                     ChatCompletionResponse, ChatDelta, ChatStreamChoice, Usage)
 from kvserve.server.serving import (SSE_DONE, EventStream, ServerState, check_output, close_all, error_event,
                                     final_output, new_id, read_request, sse, unless_disconnected, with_output_kind)
+from kvserve.server.tool_choice import ToolPlan, plan_tools
+from kvserve.server.tool_output import ToolDeltas, tool_finish_reason, tool_message
 
 
 async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
     request = await read_request(state, raw_request, ChatCompletionRequest)
     model = state.resolve_model(request.model)
     check_messages(state.config, len(request.messages))
-    params = with_output_kind(request.to_sampling_params(state.default_sampling), bool(request.stream))
+    tools = plan_tools(request, state.tool_parser, state.config.enable_auto_tool_choice,
+                       getattr(state.tokenizer, "chat_template", None))
+    params = with_output_kind(tools.constrain(request.to_sampling_params(state.default_sampling)),
+                              bool(request.stream))
     state.check_request(params)
-    await state.check_structured_outputs(params, "structured_outputs" if request.structured_outputs else
-                                         "response_format")
-    kwargs = template_kwargs(request.chat_template_kwargs, request.chat_template,
-                             state.config.trust_request_chat_template)
+    await state.check_structured_outputs(params, "tools" if tools.constraint else
+                                         "structured_outputs" if request.structured_outputs else "response_format")
+    kwargs = tools.template_kwargs(template_kwargs(request.chat_template_kwargs, request.chat_template,
+                                                   state.config.trust_request_chat_template))
     prompt = await state.off_loop(render_chat_prompt, state.tokenizer, request.conversation(), state.text_limit,
-                                  bool(request.add_generation_prompt), bool(request.continue_final_message), kwargs)
-    run = _ChatRun(request, model, params)
+                                  bool(request.add_generation_prompt), bool(request.continue_final_message), kwargs,
+                                  tools=tools.tools)
+    run = _ChatRun(request, model, params, tools)
     streams = await state.open_streams(run.id, [prompt], params, prompt_param="messages", model=model)
     if request.stream:
         return EventStream(run.events(streams[0]), close_all(streams))
@@ -45,10 +52,10 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
 class _ChatRun:
     """Formats one chat request's engine outputs (streamed or whole)."""
 
-    def __init__(self, request: ChatCompletionRequest, model: str, params: SamplingParams):
+    def __init__(self, request: ChatCompletionRequest, model: str, params: SamplingParams, tools: ToolPlan):
         self.id = new_id("chatcmpl")
         self.created = int(time.time())
-        self.request, self.model, self.params = request, model, params
+        self.request, self.model, self.params, self.tools = request, model, params, tools
 
     def _logprobs(self, o: CompletionOutput, token_ids: list[int]) -> ChatChoiceLogprobs | None:
         if self.params.logprobs is None:
@@ -62,10 +69,12 @@ class _ChatRun:
 
     async def respond(self, stream: RequestStream) -> Response:
         final = await final_output(stream)
-        choices = [ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
-                              logprobs=self._logprobs(o, o.token_ids), finish_reason=o.finish_reason,
-                              stop_reason=o.stop_reason)
-                   for o in final.outputs]
+        choices = []
+        for o in final.outputs:
+            message = tool_message(self.tools, o.text)
+            choices.append(ChatChoice(index=o.index, message=message, logprobs=self._logprobs(o, o.token_ids),
+                                      finish_reason=tool_finish_reason(o.finish_reason, bool(message.tool_calls)),
+                                      stop_reason=o.stop_reason))
         prompt_logprobs = None
         if self.request.prompt_logprobs is not None and final.prompt_logprobs is not None:  # vLLM's extra field
             prompt_logprobs = prompt_logprobs_field(final.prompt_token_ids, final.prompt_logprobs,
@@ -81,6 +90,7 @@ class _ChatRun:
                                                     logprobs=None, finish_reason=None)])
             done: set[int] = set()
             final = None
+            parsers = {i: ToolDeltas(self.tools) for i in range(self.params.n)} if self.tools.parser else {}
             async for out in stream:
                 check_output(out)
                 for o in out.outputs:
@@ -89,12 +99,17 @@ class _ChatRun:
                     text, new_ids = out.new_texts[o.index], out.new_token_ids[o.index]
                     finished = o.finish_reason is not None
                     logprobs = self._logprobs(o, new_ids) if new_ids else None
-                    if not text and not finished and logprobs is None:
-                        continue  # the detokenizer held the text back (a partial character or stop string)
+                    content, calls, reason = text or None, None, o.finish_reason
+                    if o.index in parsers:
+                        content, calls = parsers[o.index].feed(text, finished)
+                        reason = tool_finish_reason(reason, parsers[o.index].called)
+                    if not content and not calls and not finished and logprobs is None:
+                        continue  # held back: a partial character, stop string or tool-call tag
                     if finished:
                         done.add(o.index)
-                    yield self._chunk([ChatStreamChoice(index=o.index, delta=ChatDelta(content=text or None),
-                                                        logprobs=logprobs, finish_reason=o.finish_reason,
+                    yield self._chunk([ChatStreamChoice(index=o.index,
+                                                        delta=ChatDelta(content=content, tool_calls=calls),
+                                                        logprobs=logprobs, finish_reason=reason,
                                                         stop_reason=o.stop_reason)])
                 final = out
             if self.request.include_usage and final is not None:

@@ -6,14 +6,17 @@ import dataclasses
 from typing import Any, get_type_hints
 
 
-def add_dataclass_args(cls, parser: argparse.ArgumentParser) -> None:
-    """One `--flag-name` per field of `cls`, with the field's default, type, help and choices (metadata).
+def add_dataclass_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One `--flag-name` per field of `cls` (but those named in `exclude`, which a command defines its own way),
+    with the field's default, type, help and choices (metadata).
 
     `--help` shows the default when the parser's formatter is cli_help.DefaultsHelpFormatter.
 
     A `tuple[str, ...]` field takes one or more values (`--flag a b`, or the flag repeated)."""
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -30,5 +33,6 @@ def add_dataclass_args(cls, parser: argparse.ArgumentParser) -> None:
 
 
 def dataclass_from_args(cls, args: argparse.Namespace):
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    """The dataclass from parsed flags; a field without a flag (excluded) keeps its default."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})

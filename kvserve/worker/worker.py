@@ -13,11 +13,13 @@ import torch
 from kvserve.attention.registry import make_backend
 from kvserve.config.engine import EngineConfig
 from kvserve.config.model import ModelConfig
+from kvserve.config.quantization import QuantizationConfig
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.quant import SCALE_DTYPE, dtype_name, is_quantized, resolve_kv_cache_dtype
 from kvserve.layers.linear_methods import default_method
 from kvserve.layers.lora import LoRABatch, LoRAMethod
 from kvserve.layers.parallel import ShardContext
+from kvserve.layers.quant import check_layers, make_linear_method, weight_bytes
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.layer_ops import load_fused_layer_ops
 from kvserve.models.llama import LlamaForCausalLM
@@ -62,13 +64,26 @@ class Worker:
             self.draft_model = self._load(self.config.draft_model)
 
     def _load(self, mc: ModelConfig, lora_batch: LoRABatch | None = None) -> LlamaForCausalLM:
-        method = default_method(self.device, mc.dtype)
+        dense = default_method(self.device, mc.dtype)
+        # NOTE: only the target model is quantized (a draft model is small, and its proposals are verified).
+        quant = self.config.quantization if mc is self.config.model else QuantizationConfig()
+        method = make_linear_method(quant.method, quant.group_size, dense)
         if lora_batch is not None:
             lora = self.config.lora
             method = LoRAMethod(method, lora_batch, lora.max_loras, lora.max_lora_rank)
-        model = build_model(mc.hf_config, self.backend, mc.max_model_len, mc.dtype, self.device, method, self.shard)
-        load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype))
+        model = build_model(mc.hf_config, self.backend, mc.max_model_len, mc.dtype, self.device, method, self.shard,
+                            head_method=dense)
+        check_layers(model, quant.method, quant.group_size)
+        loaded_bytes = weight_bytes(model)
+        load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype, keep_blocks=quant.method == "gguf"))
         model.eval()
+        if mc is self.config.model:
+            held = weight_bytes(model)
+            logger.info("quantization: %s; weights %d bytes (%.1f MiB) in %s -> %d bytes (%.1f MiB) held "
+                        "(linear layers%s; embedding and LM head in %s)", quant.describe(), loaded_bytes,
+                        loaded_bytes / 2**20, str(mc.dtype).removeprefix("torch."), held, held / 2**20,
+                        f" {quant.describe()}" if quant.method else f" {dense.name}",
+                        str(mc.dtype).removeprefix("torch."))
         if self.device.type == "cpu" and mc.dtype == torch.float32 and self.backend.name != "torch_ref":
             model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
         return model
