@@ -154,10 +154,15 @@ def test_cli_user_errors_exit_2(tmp_path, capsys, argv, message):
     assert message.format(**subst) in captured.err
 
 
-def test_cli_context_required_without_max_position_embeddings(tmp_path, capsys):
+def test_cli_without_a_context_reports_per_token_figures(tmp_path, capsys):
     folder = _write_config(tmp_path / "m", **LLAMA3_8B)
-    assert _cli("--model", folder) == 2
-    assert "no max_position_embeddings; pass --context" in capsys.readouterr().err
+    assert _cli("--model", folder, "--memory", "16GiB") == 0
+    out = capsys.readouterr().out
+    assert "KV per token     131,072 bytes" in out and "pass --context for it" in out
+    assert "131,072 tokens in all" in out
+    report = _cli_json(capsys, "--num-layers", "32", "--num-kv-heads", "8", "--head-dim", "128")
+    assert report["kv_bytes_per_token"] == 131_072 and report["context"] is None
+    assert report["kv_bytes_per_sequence"] is None
 
 
 # --------------------------------------------------------------------------- shape flags, GPT-2/Falcon keys
@@ -185,7 +190,6 @@ def test_cli_shape_from_flags_without_a_checkpoint(capsys):
         (["--num-layers", "32", "--head-dim", "128"], "missing --num-kv-heads"),
         (["--num-layers", "32", "--num-kv-heads", "8"], "missing --head-dim"),
         ([], "missing --num-layers, --num-kv-heads, --head-dim"),
-        (["--num-layers", "32", "--num-kv-heads", "8", "--head-dim", "128"], "no --model; pass --context"),
         (["--num-layers", "32", "--num-kv-heads", "0", "--head-dim", "128"],
          "--num-kv-heads must be a positive integer, got 0"),
     ],

@@ -194,10 +194,9 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         key = first_key(config, CONTEXT_KEYS)
         context = None if key is None else config_get(config, key)
         if not isinstance(context, int) or context <= 0:
-            where = "the model config has no max_position_embeddings" if args.model else "no --model"
-            raise ValueError(f"{where}; pass --context")
+            context = None  # NOTE: no length to size a sequence by: the per-token figures still stand
 
-    per_sequence = per_token * context
+    per_sequence = per_token * context if context is not None else None
     report: dict[str, Any] = {
         "model": args.model,
         "num_layers": num_layers,
@@ -211,8 +210,8 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         "context": context,
         "batch": args.batch,
         "kv_bytes_per_sequence": per_sequence,
-        "kv_bytes_total": per_sequence * args.batch,
-        "kv_gib_total": per_sequence * args.batch / 1024**3,
+        "kv_bytes_total": None if per_sequence is None else per_sequence * args.batch,
+        "kv_gib_total": None if per_sequence is None else per_sequence * args.batch / 1024**3,
     }
     if quantized:
         report["unquantized_kv_dtype"] = kv_dtype
@@ -221,8 +220,9 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
     if memory_bytes is not None:
         report["memory_bytes"] = memory_bytes
         report["max_tokens_in_memory"] = memory_bytes // per_token
-        report["max_sequences_in_memory"] = memory_bytes // per_sequence
-        report["batch_fits"] = per_sequence * args.batch <= memory_bytes
+        if per_sequence is not None:
+            report["max_sequences_in_memory"] = memory_bytes // per_sequence
+            report["batch_fits"] = per_sequence * args.batch <= memory_bytes
     return report
 
 
@@ -239,19 +239,28 @@ def _format_report(r: dict[str, Any]) -> str:
         f"KV dtype         {r['kv_dtype']} ({r['kv_dtype_bytes']} bytes)" + (
             f" + a {r['kv_scale_bytes']}-byte scale per token and KV head, for K and V" if r["kv_scale_bytes"] else ""),
         f"KV per token     {r['kv_bytes_per_token']:,} bytes ({format_size(r['kv_bytes_per_token'])})",
-        f"KV per sequence  {r['kv_bytes_per_sequence']:,} bytes at {r['context']:,} tokens ({format_size(r['kv_bytes_per_sequence'])})",
-        f"KV total         {r['kv_bytes_total']:,} bytes for batch {r['batch']} ({r['kv_gib_total']:.3f} GiB)",
     ]
+    if r["context"] is None:
+        lines.append("KV per sequence  (no --context and no max_position_embeddings: pass --context for it)")
+    else:
+        lines += [
+            f"KV per sequence  {r['kv_bytes_per_sequence']:,} bytes at {r['context']:,} tokens "
+            f"({format_size(r['kv_bytes_per_sequence'])})",
+            f"KV total         {r['kv_bytes_total']:,} bytes for batch {r['batch']} ({r['kv_gib_total']:.3f} GiB)",
+        ]
     if "capacity_gain" in r:
         lines.append(f"capacity         {r['capacity_gain']:.2f}x the tokens of a {r['unquantized_kv_dtype']} cache "
                      f"({r['unquantized_kv_bytes_per_token']:,} bytes per token)")
-    if "memory_bytes" in r:
+    if "memory_bytes" in r and "batch_fits" in r:
         fits = "fits" if r["batch_fits"] else "does NOT fit"
         lines += [
             f"memory           {r['memory_bytes']:,} bytes ({format_size(r['memory_bytes'])}): batch {r['batch']} {fits}",
             f"fits             {r['max_sequences_in_memory']:,} sequences of {r['context']:,} tokens "
             f"({r['max_tokens_in_memory']:,} tokens in all)",
         ]
+    elif "memory_bytes" in r:
+        lines.append(f"memory           {r['memory_bytes']:,} bytes ({format_size(r['memory_bytes'])}): "
+                     f"{r['max_tokens_in_memory']:,} tokens in all")
     return "\n".join(lines)
 
 
