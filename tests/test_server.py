@@ -92,16 +92,25 @@ def server(tiny_llama, tmp_path_factory):
                       "--max-queue-len", str(MAX_QUEUE_LEN), "--max-body-size", "64KiB", "--stats-interval", "1")
 
 
+def http_client(server: Server, timeout: float = 60) -> httpx.Client:
+    """An httpx client of `server` with the test API key (use as a context manager)."""
+    return httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=timeout)
+
+
+def openai_client(server: Server, timeout: float = 60) -> openai.OpenAI:
+    """The `openai` client of `server` with the test API key, no retries."""
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=60) as client:
+    with http_client(server) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,9 @@ from __future__ import annotations
 import uuid
 
 import anthropic
-import httpx
 import openai
 import pytest
-from test_server import API_KEY, metric, served
+from test_server import API_KEY, http_client, metric, served
 
 BLOCK = 16  # the server's --block-size (the default)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -27,7 +26,7 @@ def server(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+    with http_client(server) as c:
         yield c
 
 

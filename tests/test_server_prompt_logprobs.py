@@ -6,14 +6,14 @@ from __future__ import annotations
 import copy
 import re
 
-import httpx
 import jsonschema
 import openai
 import pytest
 import referencing
 import referencing.jsonschema
 import yaml
-from test_server import API_KEY, SPEC, _openapi_to_jsonschema, check_schema, served, sse_events  # noqa: F401
+from test_server import (API_KEY, SPEC, _openapi_to_jsonschema, check_schema, http_client, served,  # noqa: F401
+                         sse_events)
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
@@ -30,7 +30,7 @@ def server(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+    with http_client(server) as c:
         yield c
 
 
