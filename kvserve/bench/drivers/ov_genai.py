@@ -1,10 +1,10 @@
 """Peer driver: OpenVINO GenAI's ContinuousBatchingPipeline (paged attention + continuous batching in C++).
 
 Args (JSON file): model (OpenVINO IR folder), workload, threads, max_num_batched_tokens, kv_cache_gb,
-prefix_caching. Requests are added when they arrive and the pipeline is stepped by this loop, so every
+prefix_caching, precision ("f32", or "default": OpenVINO's own choice). Requests are added when they arrive and the pipeline is stepped by this loop, so every
 token is timestamped when the step that made it returns: the same points a streaming server would send.
-fp32 throughout: inference precision and KV-cache precision are set explicitly, because on CPUs with
-bf16 or AMX OpenVINO would otherwise pick bf16 (and u8 for the KV cache) by itself.
+With precision "f32" inference and KV-cache precision are set explicitly, because on CPUs with bf16 or AMX
+OpenVINO would otherwise pick bf16 (and u8 for the KV cache) by itself; "default" leaves that choice to it.
 """
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ def main() -> None:
     sched.dynamic_split_fuse = True  # chunked prefill beside decodes, as vLLM and kvserve do
     sched.enable_prefix_caching = bool(args["prefix_caching"])
     sched.max_num_seqs = 256
-    properties = {"INFERENCE_NUM_THREADS": int(args["threads"]), "INFERENCE_PRECISION_HINT": "f32",
-                  "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+    properties = {"INFERENCE_NUM_THREADS": int(args["threads"])}
+    if args.get("precision", "f32") == "f32":
+        properties.update({"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
+                           "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0})
     pipe = ov_genai.ContinuousBatchingPipeline(args["model"], sched, "CPU", properties)
 
     def config(max_tokens: int, ignore_eos: bool):
