@@ -31,7 +31,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # on the shared workloads; see README "Speculative decoding").
 DEFAULT_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                               '"prompt_lookup_max": 5}')
-_ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "torch_sdpa")
+_ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "torch_sdpa", "triton_paged")
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,10 @@ class EngineArgs:
     device: str = field(default="auto", metadata={
         "help": "auto (the CPU: the CUDA path is not yet tested), cpu or cuda", "choices": ("auto", "cpu", "cuda")})
     attention_backend: str = field(default="auto", metadata={
-        "help": "auto (on CPU: the C++ paged decode kernel and fused layer ops when they build), cpu_paged, "
-                "or torch_ref (PyTorch only, the reference path; torch_sdpa is its old name)",
+        "help": "auto (on CPU: the C++ paged decode kernel and fused layer ops when they build; on CUDA: "
+                "triton_paged when triton is installed and the KV cache is unquantized), cpu_paged, triton_paged "
+                "(Triton kernels, CUDA), or torch_ref (PyTorch only, the reference path; torch_sdpa is its old "
+                "name)",
         "choices": _ATTENTION_BACKENDS})
     quantization: str | None = field(default=None, metadata={
         "help": "weight-only quantization of the decoder layers' linear weights (embedding and LM head stay full "

@@ -54,7 +54,8 @@ class Worker:
         """enable_lora: the target model's adapter slots (the draft model never runs adapters)."""
 
     def load_model(self) -> None:
-        self.backend = make_backend(self.config.device.attention_backend, self.device.type)
+        quantized_kv = is_quantized(resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.config.model.dtype))
+        self.backend = make_backend(self.config.device.attention_backend, self.device.type, quantized_kv)
         lora = self.config.lora
         batch = LoRABatch() if lora is not None else None
         self.model = self._load(self.config.model, batch)
