@@ -109,6 +109,11 @@ class EngineArgs:
     override_generation_config: str | dict | None = field(default=None, metadata={
         "help": "JSON object overriding those defaults, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 128}'; "
                 "default: no overrides"})
+    load_format: str = field(default="auto", metadata={
+        "help": "auto: the checkpoint's weights; dummy: random weights of the model's real shapes from its "
+                "config.json alone (no download; a folder without a tokenizer takes prompts as token ids; "
+                "configs of real models: kvserve/models/configs/)",
+        "choices": ("auto", "dummy")})
     seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})
@@ -127,6 +132,10 @@ class EngineArgs:
         self._scheduler_config(max_model_len=self.max_model_len or 1)
         self._lora_config()
         self._quantization_config()
+        LoadConfig(self.load_format)
+        if self.load_format == "dummy" and self.quantization == "gguf":
+            raise ValueError("quantization gguf keeps a GGUF file's blocks as stored: it cannot use random "
+                             "(--load-format dummy) weights")
 
     def _quantization_config(self) -> QuantizationConfig:
         return QuantizationConfig(self.quantization, self.quantization_group_size)
@@ -179,7 +188,7 @@ class EngineArgs:
             scheduler=self._scheduler_config(model.max_model_len),
             parallel=ParallelConfig(),
             device=device,
-            load=LoadConfig(),
+            load=LoadConfig(self.load_format),
             speculative=speculative,
             draft_model=draft,
             lora=self._lora_config(),

@@ -67,7 +67,7 @@ class EngineCore:
         # NOTE: the core produces no text; xgrammar alone needs the vocabulary's strings, on its compile thread.
         from kvserve.models.loader import load_tokenizer
 
-        return load_tokenizer(self.config.model.source)
+        return load_tokenizer(self.config.model.source, self.config.load.load_format == "dummy")
 
     @staticmethod
     def freeze_gc() -> None:

@@ -21,6 +21,7 @@ from kvserve.layers.lora import LoRABatch, LoRAMethod
 from kvserve.layers.parallel import ShardContext
 from kvserve.layers.quant import check_layers, make_linear_method, weight_bytes
 from kvserve.lora.manager import LoRAManager
+from kvserve.models.dummy import initialize_dummy_weights
 from kvserve.models.layer_ops import load_fused_layer_ops
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import build_model, iter_checkpoint_tensors
@@ -76,7 +77,10 @@ class Worker:
                             head_method=dense)
         check_layers(model, quant.method, quant.group_size)
         loaded_bytes = weight_bytes(model)
-        load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype, keep_blocks=quant.method == "gguf"))
+        if self.config.load.load_format == "dummy":
+            initialize_dummy_weights(model, self.config.seed)
+        else:
+            load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype, keep_blocks=quant.method == "gguf"))
         model.eval()
         if mc is self.config.model:
             held = weight_bytes(model)
