@@ -103,8 +103,9 @@ def test_random_ragged_batches(kernels):
 
 
 def test_half_precision_accumulates_in_float32(kernels):
-    """Half precision (fp16 here: numpy, under the interpreter, has no bf16; bf16 runs in the gpu test): the kernel's fp32 softmax and accumulation stay within bf16 rounding of the reference
-    computed in float32 on the same (bf16-rounded) values."""
+    """Half precision (fp16: the interpreter computes through numpy, which has no bf16; bf16 runs in the gpu
+    test): the kernel's fp32 softmax and accumulation stay within half-precision rounding of the reference
+    computed in float32 on the same (rounded) values."""
     g = torch.Generator().manual_seed(3)
     common, cache, q, k, v = _batch(g, [1, 1, 12], [60, 5, 20], 16, 16, 8, 2, 32, torch.float16)
     tri_cache = cache.clone()
@@ -122,7 +123,8 @@ def test_padded_rows_write_nowhere_and_output_zeros(kernels):
     common, cache, q, k, v = _batch(g, [1, 1, 1], [30, 4, 16], 16, 12, 4, 2, 16, torch.float32)
     pad = 2
     padded = CommonAttentionMetadata(
-        query_start_loc=torch.arange(3 + pad + 1), seq_lens=torch.cat((common.seq_lens, torch.zeros(pad, dtype=torch.long))),
+        query_start_loc=torch.arange(3 + pad + 1),
+        seq_lens=torch.cat((common.seq_lens, torch.zeros(pad, dtype=torch.long))),
         block_table=torch.cat((common.block_table, torch.zeros(pad, common.block_table.shape[1], dtype=torch.long))),
         slot_mapping=torch.cat((common.slot_mapping, torch.full((pad,), -1))), num_decodes=3 + pad,
         num_decode_tokens=3 + pad, block_size=16, query_lens_cpu=[1] * (3 + pad),

@@ -109,6 +109,8 @@ class EngineArgs:
     override_generation_config: str | dict | None = field(default=None, metadata={
         "help": "JSON object overriding those defaults, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 128}'; "
                 "default: no overrides"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "CUDA: run every step eagerly (no CUDA graphs for decode-only steps); no effect on CPU"})
     load_format: str = field(default="auto", metadata={
         "help": "auto: the checkpoint's weights; dummy: random weights of the model's real shapes from its "
                 "config.json alone (no download; a folder without a tokenizer takes prompts as token ids; "
@@ -167,7 +169,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the flags into one config per concern (reads the model's config file, not its weights)."""
-        device = DeviceConfig(DeviceConfig.resolve_device(self.device), self.attention_backend, self.num_threads)
+        device = DeviceConfig(DeviceConfig.resolve_device(self.device), self.attention_backend, self.num_threads,
+                              self.enforce_eager)
         model = ModelConfig.resolve(self.model, self.dtype, device.device, self.max_model_len, self.max_logprobs)
         quantization = self._quantization_config()
         quantization.check_source(model.source)
