@@ -44,9 +44,9 @@ def _batch(g, query_lens, context_lens, block_size, num_blocks, hq, hkv, d, dtyp
     slots = [t[p // block_size] * block_size + p % block_size
              for t, c, q in zip(tables, context_lens, query_lens) for p in range(c, c + q)]
     t_total = sum(query_lens)
-    q = torch.randn(t_total, hq, d, generator=g).to(dtype)
-    k = torch.randn(t_total, hkv, d, generator=g).to(dtype)
-    v = torch.randn(t_total, hkv, d, generator=g).to(dtype)
+    # strided views of one fused projection, as the model hands them over
+    qkv = torch.randn(t_total, hq + 2 * hkv, d, generator=g).to(dtype)
+    q, k, v = qkv.split([hq, hkv, hkv], dim=1)
     starts = torch.tensor([0] + query_lens).cumsum(0)
     num_decodes = sum(1 for x in query_lens if x == 1)
     assert all(x == 1 for x in query_lens[:num_decodes])
