@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kvserve.attention.backend import AttentionBackend
+from kvserve.envs import triton_interpret
 
 BACKENDS = ("auto", "cpu_paged", "torch_ref", "triton_paged")
 _ALIASES = {"torch_sdpa": "torch_ref"}  # the reference backend's name before the two were split
@@ -20,8 +21,10 @@ def make_backend(name: str, device_type: str, quantized_kv: bool = False) -> Att
     if device_type == "cuda" and name in ("auto", "triton_paged"):
         return _triton_backend(name, quantized_kv) or TorchRefBackend()
     if name == "triton_paged":
-        raise ValueError("attention backend triton_paged runs on CUDA only (its tests run it on the CPU through "
-                         "Triton's interpreter)")
+        if device_type == "cpu" and triton_interpret():  # tests: the GPU kernels through Triton's interpreter
+            return _triton_backend(name, quantized_kv)
+        raise ValueError("attention backend triton_paged runs on CUDA only (or on the CPU through Triton's "
+                         "interpreter, TRITON_INTERPRET=1: tests)")
     if device_type != "cpu":
         if name == "cpu_paged":
             raise ValueError("attention backend cpu_paged runs on the CPU only")
