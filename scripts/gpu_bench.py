@@ -39,20 +39,32 @@ _MIXED_SHAPES = [(157, 167), (443, 128), (508, 21), (128, 228), (413, 77), (62, 
                  (354, 74), (261, 169), (151, 98), (183, 127), (96, 82), (127, 83), (484, 199), (89, 135)]
 
 
-def device_peaks() -> tuple[float, float, str]:
-    """(bytes/s, FLOP/s, where they came from) for GPU 0."""
+def peaks_from_properties() -> tuple[float, float] | None:
+    """(bytes/s, FLOP/s) from GPU 0's properties (memory clock x bus width x 2 for DDR; SMs x clock x dense
+    bf16 FLOPs per SM per clock), where this torch exposes the clocks."""
     props = torch.cuda.get_device_properties(0)
-    for fragment, bw, flops in _PEAKS:
-        if fragment in props.name:
-            return bw, flops, f"spec sheet for {fragment}"
     clock_khz = getattr(props, "memory_clock_rate", 0)
     bus_bits = getattr(props, "memory_bus_width", 0)
     sm_khz = getattr(props, "clock_rate", 0)
     per_sm = _FLOPS_PER_SM_CLOCK.get((props.major, props.minor), 1024)
-    if clock_khz and bus_bits and sm_khz:
-        return (2 * clock_khz * 1e3 * bus_bits / 8, props.multi_processor_count * sm_khz * 1e3 * per_sm,
-                "device properties (memory clock x bus width; SMs x clock x FLOPs/SM/clock)")
-    raise SystemExit(f"unknown device {props.name!r} and its properties give no clocks: add it to _PEAKS")
+    if not (clock_khz and bus_bits and sm_khz):
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8, props.multi_processor_count * sm_khz * 1e3 * per_sm
+
+
+def device_peaks() -> tuple[float, float, str]:
+    """(bytes/s, FLOP/s, where they came from) for GPU 0: the spec sheet where the name is known (boost
+    clocks, what the limits are quoted at), else the properties."""
+    name = torch.cuda.get_device_properties(0).name
+    derived = peaks_from_properties()
+    seen = (f"; properties say {derived[0] / 1e12:.2f} TB/s, {derived[1] / 1e12:.0f} TFLOP/s" if derived
+            else "; this torch exposes no clocks")
+    for fragment, bw, flops in _PEAKS:
+        if fragment in name:
+            return bw, flops, f"spec sheet for {fragment}{seen}"
+    if derived:
+        return derived[0], derived[1], "device properties"
+    raise SystemExit(f"unknown device {name!r} and its properties give no clocks: add it to _PEAKS")
 
 
 def load_requests(path: str | None):

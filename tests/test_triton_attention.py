@@ -193,3 +193,14 @@ def test_engine_on_triton_paged_matches_transformers(kernels, tiny_llama):
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
             assert finished[str(i)].outputs[0].token_ids == want, f"request {i} differs"
+
+
+def test_registry_offers_triton_paged_where_it_can_run(monkeypatch):
+    from kvserve.attention.registry import make_backend
+
+    with pytest.raises(ValueError, match="unquantized"):
+        make_backend("triton_paged", "cpu", quantized_kv=True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="CUDA only"):
+        make_backend("triton_paged", "cpu")
+    assert make_backend("auto", "cpu").name in ("cpu_paged", "torch_ref")  # the CPU's choice is unchanged
