@@ -73,7 +73,7 @@ def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_
 
     # The keys this tile needs: up to its last query's position (not beyond the sequence).
     num_keys = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
-    num_pages = (num_keys + PAGE - 1) // PAGE
+    num_pages = ((num_keys + PAGE - 1) // PAGE).to(tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
