@@ -39,6 +39,11 @@ _MIXED_SHAPES = [(157, 167), (443, 128), (508, 21), (128, 228), (413, 77), (62, 
                  (354, 74), (261, 169), (151, 98), (183, 127), (96, 82), (127, 83), (484, 199), (89, 135)]
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def peaks_from_properties() -> tuple[float, float] | None:
     """(bytes/s, FLOP/s) from GPU 0's properties (memory clock x bus width x 2 for DDR; SMs x clock x dense
     bf16 FLOPs per SM per clock), where this torch exposes the clocks."""
@@ -89,10 +94,10 @@ def run_kvserve(llm, requests) -> tuple[float, int]:
 
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True, detokenize=False)
               for r in requests]
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
@@ -109,11 +114,11 @@ def decode_step_seconds(llm, batch: int, prompt_len: int = 128, steps: int = 32)
     budget = engine.config.scheduler.max_num_batched_tokens
     for _ in range(-(-batch * prompt_len // budget) + 3):  # every prefill done, a few decodes in
         engine.step()
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    _sync()
     seconds = (time.perf_counter() - start) / steps
     for rid in ids:
         engine.abort_request(rid)
@@ -123,11 +128,11 @@ def decode_step_seconds(llm, batch: int, prompt_len: int = 128, steps: int = 32)
 
 
 @torch.inference_mode()
-def run_hf_static(cfg, requests, batch_size: int) -> tuple[float, int]:
+def run_hf_static(cfg, requests, batch_size: int, device: str) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else None).eval()
     start = time.perf_counter()
     useful = 0
     for i in range(0, len(requests), batch_size):
@@ -139,10 +144,10 @@ def run_hf_static(cfg, requests, batch_size: int) -> tuple[float, int]:
             ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
             mask[j, width - len(r.prompt_token_ids):] = 1
         new = max(r.max_tokens for r in batch)
-        out = model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new, min_new_tokens=new,
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, pad_token_id=0)
         useful += sum(min(r.max_tokens, out.shape[1] - width) for r in batch)
-    torch.cuda.synchronize()
+    _sync()
     seconds = time.perf_counter() - start
     del model
     return seconds, useful
@@ -154,20 +159,26 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON lines written here")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--model", help="a config-only folder (default: the built-in Llama-3-8B config)")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (tests)")
+    parser.add_argument("--num-requests", type=int, help="the first N requests only (default: all)")
     args = parser.parse_args()
 
     from kvserve.engine.llm import LLM
     from kvserve.models.dummy import builtin_config_dir
     from kvserve.models.loader import ModelSource, load_hf_config
 
-    bw, flops, peaks_from = device_peaks()
-    model_dir = builtin_config_dir("Llama-3-8B")
+    on_gpu = args.device == "cuda"
+    bw, flops, peaks_from = device_peaks() if on_gpu else (1e11, 1e12, "made up: a CPU smoke test")
+    model_dir = args.model or builtin_config_dir("Llama-3-8B")
     requests, source = load_requests(args.workload)
+    requests = requests[:args.num_requests] if args.num_requests else requests
     with open(args.out, "w") as out:
-        emit(out, kind="device", name=torch.cuda.get_device_name(0), hbm_bytes_s=bw, bf16_flops=flops,
-             peaks_from=peaks_from, workload=source)
+        emit(out, kind="device", name=torch.cuda.get_device_name(0) if on_gpu else "cpu", hbm_bytes_s=bw,
+             bf16_flops=flops, peaks_from=peaks_from, workload=source)
         start = time.perf_counter()
-        llm = LLM(model=model_dir, load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=64,
+        llm = LLM(model=model_dir, load_format="dummy", device=args.device,
+                  dtype="bfloat16" if on_gpu else "float32", max_num_seqs=64,
                   max_model_len=2048, speculative_config=None, enforce_eager=args.enforce_eager,
                   # NOTE: 0.6, not 0.9: the transformers baseline needs its own 16 GB later in this process,
                   # should anything keep the engine's pool alive; mixed needs ~6 GB of KV.
@@ -200,8 +211,9 @@ def main() -> int:
         hf_cfg = load_hf_config(ModelSource("hf", model_dir))
         del llm, model, worker
         gc.collect()
-        torch.cuda.empty_cache()
-        seconds, produced = run_hf_static(hf_cfg, requests, args.hf_batch_size)
+        if on_gpu:
+            torch.cuda.empty_cache()
+        seconds, produced = run_hf_static(hf_cfg, requests, args.hf_batch_size, args.device)
         emit(out, kind="offline", engine=f"transformers static batches of {args.hf_batch_size}", seconds=seconds,
              output_tokens=produced, output_tps=produced / seconds)
     return 0

@@ -34,7 +34,7 @@ def main(path: str) -> None:
             else:
                 line(f"decode batch {r['batch']}", "INFO", text)
     for name, r in offline.items():
-        line(f"mixed: {name}", "INFO",
+        line(f"mixed: {name}".replace("transformers static batches of ", "transformers static x"), "INFO",
              f"{r['output_tps']:.0f} output tok/s ({r['output_tokens']} tokens, {r['seconds']:.1f} s)")
     kv = offline.get("kvserve")
     hf = next((r for name, r in offline.items() if name != "kvserve"), None)
