@@ -28,9 +28,9 @@ def kernels():
     return importlib.import_module("kvserve.attention.triton_kernels")
 
 
-def _backend(kernels):
+def _backend(kernels, splits: int = 1):
     from kvserve.attention.triton_paged import TritonPagedBackend
-    return TritonPagedBackend(kernels)
+    return TritonPagedBackend(kernels, decode_splits=splits)
 
 
 def _batch(g, query_lens, context_lens, block_size, num_blocks, hq, hkv, d, dtype):
@@ -58,25 +58,27 @@ def _batch(g, query_lens, context_lens, block_size, num_blocks, hq, hkv, d, dtyp
     return common, cache, q, k, v
 
 
-def _run_both(kernels, common, cache, q, k, v, d):
+def _run_both(kernels, common, cache, q, k, v, d, splits: int = 1):
     ref_cache, tri_cache = cache.clone(), cache.clone()
     ref = TorchRefBackend()
     expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(common), d ** -0.5)
-    tri = _backend(kernels)
+    tri = _backend(kernels, splits)
     out = tri.forward(q, k, v, tri_cache, tri.build_metadata(common), d ** -0.5)
     return out, expected, tri_cache, ref_cache
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2), (6, 1)])
-def test_mixed_batch_matches_reference(kernels, block_size, hq, hkv):
+def test_mixed_batch_matches_reference(kernels, block_size, hq, hkv, splits):
+    """splits: the decode launch's split-KV ways (3 leaves some splits of short contexts empty)."""
     g = torch.Generator().manual_seed(block_size * 10 + hq + hkv)
     d = 32
     # decodes (short and multi-block contexts), then prefill chunks: first chunks and later chunks
     query_lens = [1, 1, 1, 19, 5, 33]
     context_lens = [0, 40, block_size - 1, 0, 2 * block_size + 3, 17]
     common, cache, q, k, v = _batch(g, query_lens, context_lens, block_size, 24, hq, hkv, d, torch.float32)
-    out, expected, tri_cache, ref_cache = _run_both(kernels, common, cache, q, k, v, d)
+    out, expected, tri_cache, ref_cache = _run_both(kernels, common, cache, q, k, v, d, splits)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(tri_cache, ref_cache, atol=0, rtol=0)
 
@@ -132,12 +134,13 @@ def test_padded_rows_write_nowhere_and_output_zeros(kernels):
         seq_lens_cpu=common.seq_lens_cpu + [0] * pad)
     qp, kp, vp = (torch.cat((x, torch.randn(pad, *x.shape[1:], generator=g))) for x in (q, k, v))
     out, expected, tri_cache, ref_cache = _run_both(kernels, common, cache, q, k, v, 16)
-    tri_cache = cache.clone()
-    tri = _backend(kernels)
-    out_p = tri.forward(qp, kp, vp, tri_cache, tri.build_metadata(padded), 16 ** -0.5)
-    torch.testing.assert_close(out_p[:3], expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(out_p[3:], torch.zeros_like(out_p[3:]))
-    torch.testing.assert_close(tri_cache, ref_cache, atol=0, rtol=0)  # only the real rows' slots changed
+    for splits in (1, 4):
+        tri_cache = cache.clone()
+        tri = _backend(kernels, splits)
+        out_p = tri.forward(qp, kp, vp, tri_cache, tri.build_metadata(padded), 16 ** -0.5)
+        torch.testing.assert_close(out_p[:3], expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out_p[3:], torch.zeros_like(out_p[3:]))
+        torch.testing.assert_close(tri_cache, ref_cache, atol=0, rtol=0)  # only the real rows' slots changed
 
 
 def test_prefill_tiles_cover_every_query_once():
@@ -152,7 +155,8 @@ def test_prefill_tiles_cover_every_query_once():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_gpu_kernels_match_reference(block_size, dtype):
+@pytest.mark.parametrize("splits", [None, 1])
+def test_gpu_kernels_match_reference(block_size, dtype, splits):
     """The compiled kernels on the GPU, head_dim 128 and Llama-3's GQA ratio, against torch_ref in float32."""
     from kvserve.attention.triton_paged import TritonPagedBackend
 
@@ -161,7 +165,7 @@ def test_gpu_kernels_match_reference(block_size, dtype):
     common, cache, q, k, v = _batch(g, query_lens, context_lens, block_size, 200, 32, 8, 128, dtype)
     fields = {f: getattr(common, f) for f in common.__dataclass_fields__}
     on_gpu = CommonAttentionMetadata(**{f: x.cuda() if isinstance(x, torch.Tensor) else x for f, x in fields.items()})
-    tri = TritonPagedBackend()
+    tri = TritonPagedBackend(decode_splits=splits)  # None: the SM-count heuristic (5 decodes: several splits)
     out = tri.forward(q.cuda(), k.cuda(), v.cuda(), cache.cuda(), tri.build_metadata(on_gpu), 128 ** -0.5)
     ref = TorchRefBackend()
     expected = ref.forward(q.float(), k.float(), v.float(), cache.float(), ref.build_metadata(common), 128 ** -0.5)

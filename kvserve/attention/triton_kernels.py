@@ -41,14 +41,20 @@ def reshape_and_cache_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_kt, stride_k
 
 @triton.jit
 def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr, tile_req_ptr,
-                           tile_q0_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                           NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           tile_q0_ptr, part_out_ptr, part_lse_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                           stride_bt, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-                           DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                           DECODE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """DECODE: program i is request i's one query token (tile arrays unused); else program i is the tile
-    (tile_req[i], first query tile_q0[i] within that request)."""
+    (tile_req[i], first query tile_q0[i] within that request).
+
+    NUM_SPLITS > 1 (decodes only; split-KV, "flash decoding"): program axis 2 takes one of NUM_SPLITS
+    contiguous page ranges and writes its normalised partial output and log2-sum-exp (part_out
+    [B, S, Hq, D], part_lse [B, S, Hq], float32) for decode_combine_kernel, so that a small batch still
+    fills the GPU."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     if DECODE:
         req = pid
         q0 = 0
@@ -80,7 +86,10 @@ def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_
     qk_scale = scale * 1.4426950408889634                                    # log2(e): exp2 below
     p_off = tl.arange(0, PAGE)
     row_stride = 2 * NUM_KV_HEADS * HEAD_DIM
-    for j in range(0, num_pages):
+    pages_per_split = (num_pages + NUM_SPLITS - 1) // NUM_SPLITS
+    first_page = split * pages_per_split
+    last_page = tl.minimum(first_page + pages_per_split, num_pages)
+    for j in range(first_page, last_page):
         block = tl.load(block_table_ptr + req * stride_bt + j).to(tl.int64)
         k_pos = j * PAGE + p_off                                              # [P]
         k_ok = k_pos < num_keys
@@ -101,5 +110,35 @@ def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        num_heads = NUM_KV_HEADS * GROUP
+        part = ((req * NUM_SPLITS + split) * num_heads + head).to(tl.int64)           # [M]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def decode_combine_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr, stride_ot, stride_oh,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program per (decode request, query head): the splits' partial outputs weighted by their share
+    of the softmax mass, exp2(lse_s - max lse); a request with no keys at all (padding) gets zeros."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < NUM_SPLITS
+    part = ((req * NUM_SPLITS + s) * NUM_HEADS + head).to(tl.int64)                   # [S]
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))                          # [S]; -inf -> 0
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & (d[None, :] < HEAD_DIM),
+                other=0.0)                                                            # [S, D]
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    tok = tl.load(query_start_ptr + req).to(tl.int64)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

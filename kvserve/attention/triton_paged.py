@@ -12,6 +12,7 @@ An int8/fp8 cache is not read by these kernels: the registry picks torch_ref for
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
@@ -26,6 +27,12 @@ from kvserve.kv_cache.quant import QuantizedKVCache
 # fewest rows of any program: tl.dot on the GPU wants each side at least 16.
 _PREFILL_TOKENS = 16
 _MIN_ROWS = 16
+_MAX_SPLITS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 HEAD_DIMS = (64, 128)
 """Head dims of the supported models; the kernels take any (padded to a power of two), tests use smaller."""
 
@@ -71,8 +78,20 @@ class TritonPagedBackend:
     name = "triton_paged"
     supports_cuda_graphs = True
 
-    def __init__(self, kernels=None):
+    def __init__(self, kernels=None, decode_splits: int | None = None):
         self.kernels = kernels or importlib.import_module("kvserve.attention.triton_kernels")
+        self.decode_splits = decode_splits
+        """Split-KV ways of the decode launch; None: chosen from the batch and the device's SM count."""
+
+    def num_decode_splits(self, num_decodes: int, num_kv_heads: int, device: torch.device) -> int:
+        """Enough (request, KV head, split) programs for about two per SM, at most _MAX_SPLITS. It depends on
+        the batch size alone (not on sequence lengths), so a CUDA graph of a batch size keeps it."""
+        if self.decode_splits is not None:
+            return self.decode_splits
+        if device.type != "cuda":
+            return 1
+        programs = num_decodes * num_kv_heads
+        return max(1, min(_MAX_SPLITS, -(-2 * _sm_count(device) // programs)))
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
@@ -111,13 +130,24 @@ class TritonPagedBackend:
         strides = (scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0))
         consts = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
                       PAGE=meta.block_size, DOT_PRECISION=precision)
-        if meta.num_decodes:
-            kern.paged_attention_kernel[(meta.num_decodes, num_kv_heads)](
-                *common, meta.seq_lens, meta.seq_lens, *strides, BLOCK_M=max(_MIN_ROWS, _next_pow2(group)),
-                BLOCK_Q=1, DECODE=True, **consts)
+        nd = meta.num_decodes
+        if nd:
+            splits = self.num_decode_splits(nd, num_kv_heads, q.device)
+            part_out = part_lse = out  # unused with one split
+            if splits > 1:
+                part_out = torch.empty((nd, splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
+                part_lse = torch.empty((nd, splits, num_heads), dtype=torch.float32, device=q.device)
+            kern.paged_attention_kernel[(nd, num_kv_heads, splits)](
+                *common, meta.seq_lens, meta.seq_lens, part_out, part_lse, *strides,
+                BLOCK_M=max(_MIN_ROWS, _next_pow2(group)), BLOCK_Q=1, DECODE=True, NUM_SPLITS=splits, **consts)
+            if splits > 1:
+                kern.decode_combine_kernel[(nd, num_heads)](
+                    out, part_out, part_lse, meta.query_start_loc, out.stride(0), out.stride(1),
+                    NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+                    BLOCK_S=_next_pow2(splits))
         if meta.tile_req is not None:
-            kern.paged_attention_kernel[(meta.tile_req.shape[0], num_kv_heads)](
-                *common, meta.tile_req, meta.tile_q0, *strides,
+            kern.paged_attention_kernel[(meta.tile_req.shape[0], num_kv_heads, 1)](
+                *common, meta.tile_req, meta.tile_q0, out, out, *strides,
                 BLOCK_M=max(_MIN_ROWS, _next_pow2(meta.block_q * group)), BLOCK_Q=meta.block_q, DECODE=False,
-                **consts)
+                NUM_SPLITS=1, **consts)
         return out
