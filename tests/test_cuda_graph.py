@@ -115,14 +115,15 @@ def test_cuda_graphs_match_eager_greedy(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = {}
     for eager in (True, False):
+        # NOTE: a fixed pool, not a share of what is free: the other run's pool may not be collected yet
         llm = LLM(model=str(tmp_path), load_format="dummy", device="cuda", enforce_eager=eager,
-                  max_num_seqs=8, speculative_config=None, gpu_memory_utilization=0.3)
+                  max_num_seqs=8, speculative_config=None, num_gpu_blocks_override=256)
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         runner = llm.engine.core.executor.worker.runner
         assert (runner.cuda_graphs is None) == eager
         if not eager:
             assert runner.cuda_graphs.num_replays > 0
-        del llm
+        del llm, runner
         torch.cuda.empty_cache()
     assert outs[True] == outs[False]
 
@@ -137,7 +138,7 @@ def test_seeded_device_sampling_is_batch_invariant(tmp_path):
     cfg.update(num_hidden_layers=2, max_position_embeddings=512)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(model=str(tmp_path), load_format="dummy", device="cuda", max_num_seqs=8, speculative_config=None,
-              gpu_memory_utilization=0.3)
+              num_gpu_blocks_override=256)
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
     alone = llm.generate([[5, 6, 7]], seeded)[0].outputs[0].token_ids

@@ -93,7 +93,7 @@ def test_smollm2_golden_on_gpu(dtype):
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch_dtype).eval().cuda()
     engine = Engine(EngineArgs(device="cuda", dtype=dtype, max_num_batched_tokens=256, max_num_seqs=16,
-                               gpu_memory_utilization=0.3))
+                               num_gpu_blocks_override=512))
     text = open(os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py")).read()
     ids = engine.tokenizer.encode(text[:40000])
     rng = random.Random(3)
