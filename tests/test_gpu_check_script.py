@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvserve.models.dummy import builtin_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_gpu_bench_flow_and_table_on_cpu(tmp_path):
     cfg = json.load(open(f"{builtin_config_dir('SmolLM2-135M')}/config.json"))
     cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
