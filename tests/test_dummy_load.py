@@ -44,13 +44,15 @@ def test_llm_runs_a_config_only_folder_with_token_id_prompts(tmp_path):
     from kvserve import LLM, SamplingParams
 
     path = _tiny_config_dir(tmp_path)
-    llm = LLM(model=path, load_format="dummy", attention_backend="torch_ref", speculative_config=None)
+    llm = LLM(model=path, load_format="dummy", attention_backend="torch_ref", speculative_config=None,
+              kv_cache_memory="64MiB")
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     outs = llm.generate([[1, 2, 3], list(range(40))], params)
     assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]
     assert all(0 <= t < 512 for o in outs for t in o.outputs[0].token_ids)
     assert outs[0].outputs[0].text == "".join(f" {t}" for t in outs[0].outputs[0].token_ids)
-    again = LLM(model=path, load_format="dummy", attention_backend="torch_ref", speculative_config=None)
+    again = LLM(model=path, load_format="dummy", attention_backend="torch_ref", speculative_config=None,
+                kv_cache_memory="64MiB")
     assert again.generate([[1, 2, 3]], params)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="token ids"):
         llm.generate("text needs a tokenizer", params)
