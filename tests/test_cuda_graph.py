@@ -144,3 +144,55 @@ def test_seeded_device_sampling_is_batch_invariant(tmp_path):
     alone = llm.generate([[5, 6, 7]], seeded)[0].outputs[0].token_ids
     batch = llm.generate([[9, 9], [5, 6, 7], [1, 2, 3, 4]], [other, seeded, other])
     assert batch[1].outputs[0].token_ids == alone
+
+
+class _EagerReplay:
+    """Stands in for a captured CUDA graph on the CPU: replay re-runs the captured forward into its output."""
+
+    def __init__(self, forward, out):
+        self.forward, self.out = forward, out
+
+    def replay(self):
+        self.out.copy_(self.forward())
+
+
+def test_replay_path_pads_and_matches_transformers_on_cpu(tiny_llama):
+    """The graph path minus the graph: steps go through the static buffers, padded up to the ladder's sizes
+    (slot -1, seq_len 0 rows included), on triton_paged under the interpreter, and still give transformers'
+    greedy tokens."""
+    import os
+    import random
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (no CUDA here) or a GPU (the gpu tests)")
+    from conftest import run_to_completion
+    from kvserve.config import EngineArgs
+    from kvserve.engine.engine import Engine
+    from kvserve.sampling_params import SamplingParams
+    from kvserve.worker.cuda_graph import CudaGraphRunner
+
+    path, hf = tiny_llama
+    engine = Engine(EngineArgs(model=path, attention_backend="triton_paged", num_gpu_blocks_override=40,
+                               max_num_batched_tokens=64, max_num_seqs=5, speculative_config=None))
+    worker = engine.core.executor.worker
+    runner = worker.runner
+    graphs = CudaGraphRunner(worker.model, worker.backend, runner.kv_caches, 5, 8, 16, torch.device("cpu"))
+    assert graphs.sizes == [1, 2, 4, 8]
+    with torch.inference_mode():
+        for size in graphs.sizes:
+            forward = (lambda s: lambda: graphs._forward(s))(size)
+            out = forward()
+            graphs.graphs[size] = (_EagerReplay(forward, out), out)
+    runner.cuda_graphs = graphs
+    rng = random.Random(2)
+    reqs = [([rng.randrange(3, 49152) for _ in range(n)], m) for n, m in [(3, 9), (20, 6), (9, 12)]]
+    for i, (prompt, max_tokens) in enumerate(reqs):  # 3 decodes pad to 4, 2 to 2, 1 to 1
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    finished = run_to_completion(engine)
+    assert graphs.num_replays > 0
+    with torch.inference_mode():
+        for i, (prompt, max_tokens) in enumerate(reqs):
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            assert finished[str(i)].outputs[0].token_ids == want, f"request {i} differs"
