@@ -28,3 +28,9 @@ def cache_dir() -> str:
 def api_keys() -> tuple[str, ...]:
     """KVSERVE_API_KEY: the API keys the server accepts when --api-key is not given (comma-separated)."""
     return tuple(k.strip() for k in (_get("KVSERVE_API_KEY") or "").split(",") if k.strip())
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1 (Triton's own variable, read by triton when it is imported): Triton kernels run on
+    CPU tensors through its interpreter, which lets --attention-backend triton_paged run on the CPU (tests)."""
+    return _get("TRITON_INTERPRET") == "1"

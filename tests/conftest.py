@@ -10,6 +10,11 @@ import os
 import pytest
 import torch
 
+# NOTE: without CUDA, Triton kernels can only run through Triton's interpreter, which triton reads when it is
+# first imported (its own library functions are decorated then): set here, before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # Golden and equivalence tests run on each CPU attention backend: the reference and the C++ kernel one.
 ATTENTION_BACKENDS = ("cpu_paged", "torch_ref")

@@ -2,19 +2,30 @@
 from __future__ import annotations
 
 from kvserve.attention.backend import AttentionBackend
+from kvserve.envs import triton_interpret
 
-BACKENDS = ("auto", "cpu_paged", "torch_ref")
+BACKENDS = ("auto", "cpu_paged", "torch_ref", "triton_paged")
 _ALIASES = {"torch_sdpa": "torch_ref"}  # the reference backend's name before the two were split
 
 
-def make_backend(name: str, device_type: str) -> AttentionBackend:
-    """auto: cpu_paged on CPU when its kernel builds, else torch_ref (the only backend off the CPU today)."""
+def make_backend(name: str, device_type: str, quantized_kv: bool = False) -> AttentionBackend:
+    """auto: on CPU cpu_paged when its kernel builds, else torch_ref; on CUDA triton_paged when triton is
+    installed and the KV cache is unquantized (its kernels read bf16/fp16/fp32 only), else torch_ref."""
     name = _ALIASES.get(name, name)
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     from kvserve.attention.torch_ref import TorchRefBackend
 
-    if name == "torch_ref" or device_type != "cpu":
+    if name == "torch_ref":
+        return TorchRefBackend()
+    if device_type == "cuda" and name in ("auto", "triton_paged"):
+        return _triton_backend(name, quantized_kv) or TorchRefBackend()
+    if name == "triton_paged":
+        if device_type == "cpu" and triton_interpret():  # tests: the GPU kernels through Triton's interpreter
+            return _triton_backend(name, quantized_kv)
+        raise ValueError("attention backend triton_paged runs on CUDA only (or on the CPU through Triton's "
+                         "interpreter, TRITON_INTERPRET=1: tests)")
+    if device_type != "cpu":
         if name == "cpu_paged":
             raise ValueError("attention backend cpu_paged runs on the CPU only")
         return TorchRefBackend()
@@ -27,3 +38,18 @@ def make_backend(name: str, device_type: str) -> AttentionBackend:
             raise ValueError("attention backend cpu_paged needs a C++ compiler and ninja to build its kernel")
         return TorchRefBackend()
     return CPUPagedBackend(kernel)
+
+
+def _triton_backend(name: str, quantized_kv: bool) -> AttentionBackend | None:
+    from kvserve.attention.triton_paged import TritonPagedBackend, triton_available
+
+    if quantized_kv:
+        if name == "triton_paged":
+            raise ValueError("attention backend triton_paged reads an unquantized KV cache only; use "
+                             "--kv-cache-dtype auto or --attention-backend torch_ref")
+        return None
+    if not triton_available():
+        if name == "triton_paged":
+            raise ValueError("attention backend triton_paged needs triton: pip install 'kvserve[gpu]'")
+        return None
+    return TritonPagedBackend()

@@ -14,6 +14,8 @@ class DeviceConfig:
     """A name in attention.registry.BACKENDS (auto resolves when the worker builds the model)."""
     num_threads: int | None = None
     """torch intra-op threads on CPU; None: torch's own choice."""
+    enforce_eager: bool = False
+    """CUDA: no CUDA graphs (every step runs eagerly); the CPU never captures."""
 
     @staticmethod
     def resolve_device(name: str) -> torch.device:

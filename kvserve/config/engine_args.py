@@ -31,7 +31,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # on the shared workloads; see README "Speculative decoding").
 DEFAULT_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                               '"prompt_lookup_max": 5}')
-_ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "torch_sdpa")
+_ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "torch_sdpa", "triton_paged")
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,10 @@ class EngineArgs:
     device: str = field(default="auto", metadata={
         "help": "auto (the CPU: the CUDA path is not yet tested), cpu or cuda", "choices": ("auto", "cpu", "cuda")})
     attention_backend: str = field(default="auto", metadata={
-        "help": "auto (on CPU: the C++ paged decode kernel and fused layer ops when they build), cpu_paged, "
-                "or torch_ref (PyTorch only, the reference path; torch_sdpa is its old name)",
+        "help": "auto (on CPU: the C++ paged decode kernel and fused layer ops when they build; on CUDA: "
+                "triton_paged when triton is installed and the KV cache is unquantized), cpu_paged, triton_paged "
+                "(Triton kernels, CUDA), or torch_ref (PyTorch only, the reference path; torch_sdpa is its old "
+                "name)",
         "choices": _ATTENTION_BACKENDS})
     quantization: str | None = field(default=None, metadata={
         "help": "weight-only quantization of the decoder layers' linear weights (embedding and LM head stay full "
@@ -107,6 +109,13 @@ class EngineArgs:
     override_generation_config: str | dict | None = field(default=None, metadata={
         "help": "JSON object overriding those defaults, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 128}'; "
                 "default: no overrides"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "CUDA: run every step eagerly (no CUDA graphs for decode-only steps); no effect on CPU"})
+    load_format: str = field(default="auto", metadata={
+        "help": "auto: the checkpoint's weights; dummy: random weights of the model's real shapes from its "
+                "config.json alone (no download; a folder without a tokenizer takes prompts as token ids; "
+                "configs of real models: kvserve/models/configs/)",
+        "choices": ("auto", "dummy")})
     seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})
@@ -125,6 +134,10 @@ class EngineArgs:
         self._scheduler_config(max_model_len=self.max_model_len or 1)
         self._lora_config()
         self._quantization_config()
+        LoadConfig(self.load_format)
+        if self.load_format == "dummy" and self.quantization == "gguf":
+            raise ValueError("quantization gguf keeps a GGUF file's blocks as stored: it cannot use random "
+                             "(--load-format dummy) weights")
 
     def _quantization_config(self) -> QuantizationConfig:
         return QuantizationConfig(self.quantization, self.quantization_group_size)
@@ -156,7 +169,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the flags into one config per concern (reads the model's config file, not its weights)."""
-        device = DeviceConfig(DeviceConfig.resolve_device(self.device), self.attention_backend, self.num_threads)
+        device = DeviceConfig(DeviceConfig.resolve_device(self.device), self.attention_backend, self.num_threads,
+                              self.enforce_eager)
         model = ModelConfig.resolve(self.model, self.dtype, device.device, self.max_model_len, self.max_logprobs)
         quantization = self._quantization_config()
         quantization.check_source(model.source)
@@ -177,7 +191,7 @@ class EngineArgs:
             scheduler=self._scheduler_config(model.max_model_len),
             parallel=ParallelConfig(),
             device=device,
-            load=LoadConfig(),
+            load=LoadConfig(self.load_format),
             speculative=speculative,
             draft_model=draft,
             lora=self._lora_config(),

@@ -385,4 +385,4 @@ def _load_front_end(args: EngineArgs):
     from kvserve.models.loader import ModelSource, load_hf_config, load_tokenizer
 
     source = ModelSource.resolve(args.model)
-    return load_tokenizer(source), load_hf_config(source)
+    return load_tokenizer(source, args.load_format == "dummy"), load_hf_config(source)

@@ -39,6 +39,8 @@ class EngineInfo:
     enable_prefix_caching: bool
     kv_cache_dtype: str = "float32"
     """What the KV cache stores: int8, fp8_e4m3, or the model's dtype (kv_cache/quant.py dtype_name)."""
+    kv_cache_bytes: int = 0
+    """The KV pool's size (on CUDA: what --gpu-memory-utilization left it, worker/memory_plan.py)."""
 
 
 class EngineCore:
@@ -61,13 +63,13 @@ class EngineCore:
         mc = config.model
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,
                                num_blocks, cache.block_size, mc.max_logprobs, cache.enable_prefix_caching,
-                               dtype_name(self.kv_spec.dtype))
+                               dtype_name(self.kv_spec.dtype), self.kv_spec.num_bytes)
 
     def _load_tokenizer(self):
         # NOTE: the core produces no text; xgrammar alone needs the vocabulary's strings, on its compile thread.
         from kvserve.models.loader import load_tokenizer
 
-        return load_tokenizer(self.config.model.source)
+        return load_tokenizer(self.config.model.source, self.config.load.load_format == "dummy")
 
     @staticmethod
     def freeze_gc() -> None:

@@ -31,7 +31,7 @@ class Engine:
         self.default_sampling = args.default_sampling()
         """SamplingParams defaults from --generation-config (LLM.get_default_sampling_params)."""
         self.core = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.config.model.source)
+        self.tokenizer = load_tokenizer(self.config.model.source, self.config.load.load_format == "dummy")
         adapters = AdapterChecker(self.config.model.hf_config, self.config.lora) if self.config.lora else None
         self.processor = Processor(self.tokenizer, self.core.info,
                                    eos_token_ids(self.config.model.hf_config, self.tokenizer), adapters)

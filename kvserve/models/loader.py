@@ -62,10 +62,15 @@ def normalize_config(cfg):
     return cfg
 
 
-def load_tokenizer(source: ModelSource):
+def load_tokenizer(source: ModelSource, allow_missing: bool = False):
+    """allow_missing (--load-format dummy): a folder with no tokenizer files gets models.dummy.IdTokenizer."""
     if source.kind == "gguf":
         from kvserve.models.gguf_loader import load_gguf_tokenizer
         return load_gguf_tokenizer(source.path)
+    from kvserve.models.dummy import IdTokenizer, has_tokenizer
+    if allow_missing and not has_tokenizer(source.path):
+        logger.warning("%s has no tokenizer: prompts must be token ids, outputs are ids", source.path)
+        return IdTokenizer()
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
 

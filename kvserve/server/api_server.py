@@ -61,7 +61,7 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
                              use_process=config.engine_loop == "process")
         info = await engine.start()
         names = [config.served_model_name or info.model_name]
-        metrics = ServerMetrics(names[0], info.kv_cache_dtype)
+        metrics = ServerMetrics(names[0], info.kv_cache_dtype, info.kv_cache_bytes)
         engine.add_listener(metrics.on_step)
         if config.log_requests:
             engine.add_listener(_log_finished)

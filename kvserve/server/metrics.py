@@ -26,7 +26,7 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
 class ServerMetrics:
     """The server's Prometheus metrics; `on_step` is an AsyncEngine listener."""
 
-    def __init__(self, model_name: str, kv_cache_dtype: str = "float32"):
+    def __init__(self, model_name: str, kv_cache_dtype: str = "float32", kv_cache_bytes: int = 0):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         ProcessCollector(registry=r)  # process_resident_memory_bytes etc. of the server process
@@ -52,6 +52,8 @@ class ServerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (1 = full).")
         self.pinned_blocks = gauge("prefix_cache_pinned_blocks", "KV blocks pinned by prompt caching (cache_control).")
         self.total_blocks = gauge("kv_cache_total_blocks", "KV-cache blocks in the pool.")
+        gauge("kv_cache_memory_bytes", "Bytes of the KV pool (on CUDA: --gpu-memory-utilization x device memory "
+              "minus weights, activation peak and other use).").set(kv_cache_bytes)
         self.request_blocks = gauge("kv_cache_request_blocks",
                                     "KV blocks held by requests (not pins); 0 whenever no request runs.")
         self.engine_memory = gauge("engine_resident_memory_bytes", "Resident memory of the engine's process.")

@@ -24,6 +24,7 @@ from kvserve.sample.rejection_sampler import accept_prefix, rewind_generator
 from kvserve.sample.sampler import Sampler
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.spec_decode.proposer import Proposer
+from kvserve.worker.cuda_graph import CudaGraphRunner
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
 from kvserve.worker.runner_output import ModelRunnerOutput
 
@@ -70,6 +71,8 @@ class ModelRunner:
         """Requests that asked for prompt logprobs and still have prompt positions to describe: the only
         ones a step looks at for them (a batch without any pays nothing)."""
         self.sampler = Sampler()
+        self.cuda_graphs: CudaGraphRunner | None = None
+        """Decode-only steps by graph replay (CUDA, unless --enforce-eager): set by the worker after capture."""
         self.forward_s = 0.0
         """Seconds spent in the model's forward pass and LM head so far (the rest of a step is overhead)."""
 
@@ -82,9 +85,13 @@ class ModelRunner:
         inputs = self.prepare_inputs(out)
         if self.lora is not None:
             self.lora.set_step(inputs.token_lora_ids, self._step_adapters(out))
-        attn_meta = self.backend.build_metadata(inputs.attn)
         start = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)  # [T, hidden]
+        hidden = None if self.cuda_graphs is None else self.cuda_graphs.run(inputs.input_ids, inputs.positions,
+                                                                             inputs.attn)
+        if hidden is None:
+            attn_meta = self.backend.build_metadata(inputs.attn)
+            start = time.perf_counter()
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)  # [T, hidden]
         prompt_logprobs = self.prompt_logprobs(out, inputs, hidden) if self.prompt_logprob_req_ids else {}
         if not inputs.sample_req_ids:
             self.forward_s += time.perf_counter() - start

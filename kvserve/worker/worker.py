@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
+from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.registry import make_backend
 from kvserve.config.engine import EngineConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.quantization import QuantizationConfig
 from kvserve.kv_cache.layout import KVCacheSpec
+from kvserve.kv_cache.pool import KVPool
 from kvserve.kv_cache.quant import SCALE_DTYPE, dtype_name, is_quantized, resolve_kv_cache_dtype
 from kvserve.layers.linear_methods import default_method
 from kvserve.layers.lora import LoRABatch, LoRAMethod
 from kvserve.layers.parallel import ShardContext
 from kvserve.layers.quant import check_layers, make_linear_method, weight_bytes
 from kvserve.lora.manager import LoRAManager
+from kvserve.models.dummy import initialize_dummy_weights
 from kvserve.models.layer_ops import load_fused_layer_ops
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import build_model, iter_checkpoint_tensors
@@ -29,6 +33,8 @@ from kvserve.scheduler.output import SchedulerOutput
 from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.proposer import Proposer
+from kvserve.worker.cuda_graph import CudaGraphRunner
+from kvserve.worker.memory_plan import CudaMemoryPlan, plan_cuda_memory
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.runner_output import ModelRunnerOutput
 
@@ -50,11 +56,14 @@ class Worker:
         """speculative method draft_model: its own weights; its KV pool shares the target's block ids."""
         self.backend = None
         self.runner: ModelRunner | None = None
+        self.memory_plan: CudaMemoryPlan | None = None
+        """CUDA: how the KV pool was sized (worker/memory_plan.py)."""
         self.lora: LoRAManager | None = None
         """enable_lora: the target model's adapter slots (the draft model never runs adapters)."""
 
     def load_model(self) -> None:
-        self.backend = make_backend(self.config.device.attention_backend, self.device.type)
+        quantized_kv = is_quantized(resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.config.model.dtype))
+        self.backend = make_backend(self.config.device.attention_backend, self.device.type, quantized_kv)
         lora = self.config.lora
         batch = LoRABatch() if lora is not None else None
         self.model = self._load(self.config.model, batch)
@@ -75,7 +84,10 @@ class Worker:
                             head_method=dense)
         check_layers(model, quant.method, quant.group_size)
         loaded_bytes = weight_bytes(model)
-        load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype, keep_blocks=quant.method == "gguf"))
+        if self.config.load.load_format == "dummy":
+            initialize_dummy_weights(model, self.config.seed)
+        else:
+            load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype, keep_blocks=quant.method == "gguf"))
         model.eval()
         if mc is self.config.model:
             held = weight_bytes(model)
@@ -97,8 +109,9 @@ class Worker:
                            attn.num_kv_heads, attn.head_dim, dtype, SCALE_DTYPE if is_quantized(dtype) else None)
 
     def determine_num_blocks(self) -> int:
-        """KV blocks the budget holds: --num-gpu-blocks-override, else --kv-cache-memory on CPU, else the
-        free share of --gpu-memory-utilization on CUDA (after the weights are loaded)."""
+        """KV blocks the budget holds: --num-gpu-blocks-override, else --kv-cache-memory on CPU, else
+        --gpu-memory-utilization of the device's memory minus what is in use on CUDA (after the weights are
+        loaded and a warm-up forward at the largest batch: worker/memory_plan.py)."""
         cache = self.config.cache
         per_block = self.kv_cache_spec(1).num_bytes
         if self.draft_model is not None:  # every block id holds the draft's K/V too
@@ -106,8 +119,9 @@ class Worker:
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            num_blocks = int((free - (1 - cache.gpu_memory_utilization) * total) // per_block)
+            self.memory_plan = plan_cuda_memory(self.device, cache.gpu_memory_utilization, self._warm_up)
+            logger.info("CUDA memory: %s", self.memory_plan.describe())
+            num_blocks = self.memory_plan.num_blocks(per_block)
         else:
             num_blocks = cache.kv_cache_memory_bytes // per_block
         if num_blocks < 1:
@@ -115,12 +129,43 @@ class Worker:
                              "or --gpu-memory-utilization")
         return num_blocks
 
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One forward pass at the largest batch (--max-num-batched-tokens tokens as one prompt, through a
+        KV pool just big enough for them) and the LM head and sampling over --max-num-seqs rows: the
+        activation peak every later step stays under. Everything it allocates is freed."""
+        sched, bs = self.config.scheduler, self.config.cache.block_size
+        num_tokens = sched.max_num_batched_tokens
+        num_blocks = -(-num_tokens // bs)
+        pool = KVPool.allocate(self.kv_cache_spec(num_blocks), self.backend, self.device)
+        dev = self.device
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], device=dev),
+            seq_lens=torch.tensor([num_tokens], device=dev), block_table=torch.arange(num_blocks, device=dev)[None],
+            slot_mapping=torch.arange(num_tokens, device=dev), num_decodes=0, num_decode_tokens=0, block_size=bs, query_lens_cpu=[num_tokens],
+            seq_lens_cpu=[num_tokens])
+        if self.lora is not None:
+            self.lora.set_step(np.zeros(num_tokens, dtype=np.int64), {})
+        positions = torch.arange(num_tokens, device=dev) % self.config.model.max_model_len
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, positions, pool.layers, self.backend.build_metadata(common))
+        rows = min(sched.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows]).float()
+        logits.log_softmax(dim=-1).sort(dim=-1)  # the sampler's widest temporaries: logprobs, top-p's sort
+        del pool, common, hidden, logits
+
     def init_kv_cache(self, num_blocks: int) -> KVCacheSpec:
         spec = self.kv_cache_spec(num_blocks)
         proposer = self._make_proposer(num_blocks)
         self.runner = ModelRunner(self.model, self.backend, spec, self.config.scheduler.max_num_seqs,
                                   self.config.model.max_model_len, self.device, proposer, self.lora)
         max_len = self.config.model.max_model_len
+        if self._use_cuda_graphs():
+            graphs = CudaGraphRunner(self.model, self.backend, self.runner.kv_caches,
+                                     self.config.scheduler.max_num_seqs, -(-max_len // spec.block_size),
+                                     spec.block_size, self.device)
+            graphs.capture()
+            self.runner.cuda_graphs = graphs
         scales = f" + {spec.scale_size} B scale" if spec.quantized else ""
         logger.info(
             "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %d bytes/token "
@@ -129,6 +174,12 @@ class Worker:
             spec.num_bytes / 2**30, spec.bytes_per_token, spec.num_layers, spec.num_kv_heads, spec.head_dim,
             spec.element_size, scales, max_len, spec.num_tokens / max_len)
         return spec
+
+    def _use_cuda_graphs(self) -> bool:
+        """CUDA, not --enforce-eager, a backend that can be captured, and no LoRA (its per-step slot map is
+        host-built, outside any graph)."""
+        return (self.device.type == "cuda" and not self.config.device.enforce_eager and self.lora is None
+                and getattr(self.backend, "supports_cuda_graphs", False))
 
     def _make_proposer(self, num_blocks: int) -> Proposer | None:
         spec = self.config.speculative

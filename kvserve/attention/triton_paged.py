@@ -1,0 +1,153 @@
+"""triton_paged: the GPU attention backend (attention/triton_kernels.py): K/V written into their slots by one
+kernel, then attention by one launch for the decodes and one for the prefill chunks, both reading the cache
+in place through the block tables.
+
+Same KV layout as the CPU backends (torch_ref.kv_cache_shape). Metadata is built once per step on the host
+(the prefill tiles come from query_lens_cpu, no device sync), so no layer syncs with the host. The decode
+launch needs nothing but device tensors of a fixed shape, which is what lets a CUDA graph capture a
+decode-only step (worker/cuda_graph.py): a padded row there has slot -1 (its K/V are written nowhere) and
+seq_len 0 (its output is zeros).
+
+An int8/fp8 cache is not read by these kernels: the registry picks torch_ref for it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.attention.backend import CommonAttentionMetadata
+from kvserve.attention.torch_ref import kv_cache_scale_shape, kv_cache_shape
+from kvserve.kv_cache.quant import QuantizedKVCache
+
+# Query tokens per prefill program (its rows: these tokens x the G query heads of its KV head), and the
+# fewest rows of any program: tl.dot on the GPU wants each side at least 16.
+_PREFILL_TOKENS = 16
+_MIN_ROWS = 16
+_MAX_SPLITS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+HEAD_DIMS = (64, 128)
+"""Head dims of the supported models; the kernels take any (padded to a power of two), tests use smaller."""
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class TritonMetadata:
+    slot_mapping: torch.Tensor       # [T] int64; -1: write nowhere
+    query_start_loc: torch.Tensor    # [B + 1] int64
+    seq_lens: torch.Tensor           # [B] int64
+    block_table: torch.Tensor        # [B, max_blocks] int64
+    block_size: int
+    num_decodes: int                 # requests [0, num_decodes) have one query token each
+    tile_req: torch.Tensor | None    # [N] int64: request of each prefill tile
+    tile_q0: torch.Tensor | None     # [N] int64: its first query index within the request
+    block_q: int                     # query tokens per prefill tile
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def prefill_tiles(query_lens: list[int], num_decodes: int, block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """(request, first query index) of every tile of block_q query tokens of the requests after the decodes."""
+    lens = np.asarray(query_lens[num_decodes:], dtype=np.int64)
+    counts = -(-lens // block_q)                                              # tiles per request
+    req = np.repeat(np.arange(num_decodes, num_decodes + len(lens)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    q0 = (np.arange(int(counts.sum())) - first) * block_q
+    return req, q0
+
+
+class TritonPagedBackend:
+    """`kernels`: the kernels module (tests pass one imported under TRITON_INTERPRET=1); default: imported."""
+
+    name = "triton_paged"
+    supports_cuda_graphs = True
+
+    def __init__(self, kernels=None, decode_splits: int | None = None):
+        self.kernels = kernels or importlib.import_module("kvserve.attention.triton_kernels")
+        self.decode_splits = decode_splits
+        """Split-KV ways of the decode launch; None: chosen from the batch and the device's SM count."""
+
+    def num_decode_splits(self, num_decodes: int, num_kv_heads: int, device: torch.device) -> int:
+        """Enough (request, KV head, split) programs for about two per SM, at most _MAX_SPLITS. It depends on
+        the batch size alone (not on sequence lengths), so a CUDA graph of a batch size keeps it."""
+        if self.decode_splits is not None:
+            return self.decode_splits
+        if device.type != "cuda":
+            return 1
+        programs = num_decodes * num_kv_heads
+        return max(1, min(_MAX_SPLITS, -(-2 * _sm_count(device) // programs)))
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def kv_cache_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        return kv_cache_scale_shape(num_blocks, block_size, num_kv_heads)
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
+        nd = common.num_decodes
+        # NOTE: tiles are cut in tokens, not rows: the GQA group is known only in forward, whose programs
+        # have block_q x group rows.
+        block_q = _PREFILL_TOKENS
+        tile_req = tile_q0 = None
+        if len(common.query_lens_cpu) > nd:
+            req, q0 = prefill_tiles(common.query_lens_cpu, nd, block_q)
+            dev = common.seq_lens.device
+            tile_req, tile_q0 = torch.from_numpy(req).to(dev), torch.from_numpy(q0).to(dev)
+        return TritonMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens, common.block_table,
+                              common.block_size, nd, tile_req, tile_q0, block_q)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
+                meta: TritonMetadata, scale: float) -> torch.Tensor:
+        if isinstance(kv_cache, QuantizedKVCache):
+            raise ValueError("triton_paged reads an unquantized KV cache only (use torch_ref for int8/fp8)")
+        kern = self.kernels
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        block_d = _next_pow2(head_dim)
+        kern.reshape_and_cache_kernel[(num_tokens,)](
+            k, v, kv_cache, meta.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=block_d)
+        out = torch.empty_like(q)                                             # [T, Hq, D]
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        common = (out, q, kv_cache, meta.block_table, meta.query_start_loc, meta.seq_lens)
+        strides = (scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0))
+        consts = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                      PAGE=meta.block_size, DOT_PRECISION=precision)
+        nd = meta.num_decodes
+        if nd:
+            splits = self.num_decode_splits(nd, num_kv_heads, q.device)
+            part_out = part_lse = out  # unused with one split
+            if splits > 1:
+                part_out = torch.empty((nd, splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
+                part_lse = torch.empty((nd, splits, num_heads), dtype=torch.float32, device=q.device)
+            kern.paged_attention_kernel[(nd, num_kv_heads, splits)](
+                *common, meta.seq_lens, meta.seq_lens, part_out, part_lse, *strides,
+                BLOCK_M=max(_MIN_ROWS, _next_pow2(group)), BLOCK_Q=1, DECODE=True, NUM_SPLITS=splits, **consts)
+            if splits > 1:
+                kern.decode_combine_kernel[(nd, num_heads)](
+                    out, part_out, part_lse, meta.query_start_loc, out.stride(0), out.stride(1),
+                    NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+                    BLOCK_S=_next_pow2(splits))
+        if meta.tile_req is not None:
+            kern.paged_attention_kernel[(meta.tile_req.shape[0], num_kv_heads, 1)](
+                *common, meta.tile_req, meta.tile_q0, out, out, *strides,
+                BLOCK_M=max(_MIN_ROWS, _next_pow2(meta.block_q * group)), BLOCK_Q=meta.block_q, DECODE=False,
+                NUM_SPLITS=1, **consts)
+        return out

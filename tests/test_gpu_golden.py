@@ -1,0 +1,116 @@
+"""Golden on the GPU: kvserve on CUDA (triton_paged attention, CUDA graphs for decodes) gives the greedy tokens
+of `transformers.generate` run on each request alone on the same GPU, for a tiny random Llama (exactly, in
+float32) and SmolLM2 (the built-in GGUF, dequantized: identical or a near-tie, as tests/test_golden.py
+allows). Skipped without CUDA; scripts/gpu_check.sh runs them."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from conftest import check_engine_invariants, run_to_completion
+from kvserve.config import EngineArgs
+from kvserve.engine.engine import Engine
+from kvserve.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+_VOCAB = 1024
+
+
+def _tiny_llama(path: str):
+    """A random Llama with head_dim 64 and GQA 2, plus a word-level tokenizer made on the spot (the GPU
+    machine may have no built-in model to borrow one from)."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # widen the small random init so logits are far from ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(_VOCAB)}
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                     eos_token="t2", bos_token="t1")
+    tok.save_pretrained(path)
+    return model.cuda()
+
+
+@torch.inference_mode()
+def _hf_greedy(model, prompt: list[int], max_new: int, top: int = 0):
+    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_new, min_new_tokens=max_new,
+                         do_sample=False, output_scores=bool(top), return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, ([s[0].topk(top).indices.tolist() for s in out.scores] if top else None)
+
+
+def _run(engine: Engine, reqs, logprobs: int | None = None):
+    for i, (prompt, max_tokens) in enumerate(reqs):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                          logprobs=logprobs))
+    return run_to_completion(engine)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_tiny_llama_golden_on_gpu(tmp_path, block_size):
+    hf = _tiny_llama(str(tmp_path))
+    rng = random.Random(block_size)
+    reqs = [([rng.randrange(3, _VOCAB) for _ in range(n)], rng.randint(8, 40))
+            for n in [1, 2, 15, 16, 17, 33, 300] + [rng.randint(1, 400) for _ in range(9)]]
+    # a pool far below the demand: chunked prefill (128-token budget) and preemption, as on CPU
+    engine = Engine(EngineArgs(model=str(tmp_path), device="cuda", dtype="float32", block_size=block_size,
+                               num_gpu_blocks_override=1200 // block_size, max_num_batched_tokens=128,
+                               max_num_seqs=16, speculative_config=None))
+    runner = engine.core.executor.worker.runner
+    assert engine.core.executor.worker.backend.name == "triton_paged"
+    finished = _run(engine, reqs)
+    check_engine_invariants(engine)
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays > 0
+    for i, (prompt, max_tokens) in enumerate(reqs):
+        want, _ = _hf_greedy(hf, prompt, max_tokens)
+        assert finished[str(i)].outputs[0].token_ids == want, f"request {i} ({len(prompt)} prompt tokens) differs"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_golden_on_gpu(dtype):
+    try:
+        from kvserve.models.gguf_loader import builtin_model_path
+        path = builtin_model_path()
+        import gguf  # noqa: F401  (transformers' GGUF loader needs it too)
+    except (ImportError, FileNotFoundError) as e:
+        pytest.skip(f"no built-in SmolLM2 here: {e}")
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch_dtype).eval().cuda()
+    engine = Engine(EngineArgs(device="cuda", dtype=dtype, max_num_batched_tokens=256, max_num_seqs=16,
+                               num_gpu_blocks_override=512))
+    text = open(os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py")).read()
+    ids = engine.tokenizer.encode(text[:40000])
+    rng = random.Random(3)
+    reqs = []
+    for n in [1, 5, 40, 130, 600] + [rng.randint(2, 600) for _ in range(11)]:
+        start = rng.randrange(0, len(ids) - n)
+        reqs.append((ids[start:start + n], rng.randint(4, 16)))
+    finished = _run(engine, reqs, logprobs=5)
+    identical = 0
+    for i, (prompt, max_tokens) in enumerate(reqs):
+        out = finished[str(i)].outputs[0]
+        want, want_top = _hf_greedy(hf, prompt, max_tokens, top=5)
+        if out.token_ids == want:
+            identical += 1
+            continue
+        k = next(j for j, (a, b) in enumerate(zip(out.token_ids, want)) if a != b)
+        assert out.token_ids[k] in want_top[k], f"request {i}: our token not in HF's top-5 at {k}"
+        assert want[k] in out.logprobs[k], f"request {i}: HF's token not in our top-5 at {k}"
+    # bf16 rounds differently in every matmul order: near-ties flip more often than in fp32
+    assert identical >= (len(reqs) * 3) // 4 if dtype == "float32" else identical >= len(reqs) // 2
