@@ -28,3 +28,18 @@ def cache_dir() -> str:
 def api_keys() -> tuple[str, ...]:
     """KVSERVE_API_KEY: the API keys the server accepts when --api-key is not given (comma-separated)."""
     return tuple(k.strip() for k in (_get("KVSERVE_API_KEY") or "").split(",") if k.strip())
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) as torchrun sets them for each process it starts; None when either is unset
+    (`--distributed-executor-backend external_launcher` needs both; MASTER_ADDR and MASTER_PORT are read
+    by torch.distributed itself)."""
+    rank, world = _get("RANK"), _get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    return int(rank), int(world)
+
+
+def torchrun_local_rank() -> int:
+    """LOCAL_RANK: the rank's index on its own host (its GPU there); 0 when unset."""
+    return int(_get("LOCAL_RANK") or 0)
