@@ -13,6 +13,7 @@ the driver exiting in any way: followers die with their parent) leaves no proces
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -110,7 +111,10 @@ class MultiprocExecutor:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self._failed is not None:
             raise TensorParallelError(self._failed)
-        msg = StepMessage(out, self._sampled)
+        # NOTE: the grammar bitmask is read by the sampler alone, which runs here
+        shared = out if out.grammar_bitmask is None else dataclasses.replace(
+            out, grammar_bitmask=None, structured_output_request_ids={})
+        msg = StepMessage(shared, self._sampled)
         self._collective(lambda: self.group.broadcast_object(msg))
         self.group.stats.steps += 1
         result = self._collective(lambda: self.worker.execute_model(out))

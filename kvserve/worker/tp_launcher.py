@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,9 @@ class ExternalLauncherExecutor:
             follow(self.group, self.worker)
             self.group.close()
             sys.exit(0)
+        # NOTE: a CLI run that never calls shutdown still stops the followers cleanly at exit (torchrun
+        # would report their broken connection as a failure)
+        self._finalizer = weakref.finalize(self, _stop_followers, self.group)
 
     def determine_num_blocks(self) -> int:
         return self._num_blocks
@@ -67,10 +71,12 @@ class ExternalLauncherExecutor:
         return result
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            try:
-                self.group.broadcast_object(None, timeout_s=10.0)
-            except Exception:  # noqa: BLE001 — the followers are gone already (torchrun ends the rest)
-                pass
-            self.group.close()
-            self.group = None
+        self._finalizer()
+
+
+def _stop_followers(group: TPGroup) -> None:
+    try:
+        group.broadcast_object(None, timeout_s=10.0)
+    except Exception:  # noqa: BLE001 — the followers are gone already (torchrun ends the rest)
+        pass
+    group.close()
