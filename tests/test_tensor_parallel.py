@@ -173,7 +173,7 @@ def _child_workers() -> list[int]:
 
 # ---- shards read from the checkpoint (no processes) -------------------------------------------------
 @pytest.mark.parametrize("num_kv_heads", [2, 1])
-def test_a_rank_reads_only_its_slices(tmp_path, num_kv_heads):
+def test_a_rank_reads_only_its_slices(tiny_llama, tmp_path, num_kv_heads):
     """Rank 1 of 2 built from lazily read slices holds exactly the eager checkpoint's rows and columns;
     with one KV head, both ranks hold it (replicated)."""
     from kvserve.attention.registry import make_backend
@@ -181,17 +181,19 @@ def test_a_rank_reads_only_its_slices(tmp_path, num_kv_heads):
     from kvserve.models.loader import ModelSource, build_model, iter_checkpoint_tensors, load_hf_config
     from kvserve.models.weight_loader import load_weights
 
-    hf = make_tiny_checkpoint(str(tmp_path), "llama")
-    if num_kv_heads == 1:  # rewrite as MQA: keep the first KV head
+    path, hf = tiny_llama
+    if num_kv_heads == 1:  # the same weights as MQA: keep the first KV head
+        import copy
+
         import transformers as tf
-        cfg = hf.config
+        cfg = copy.deepcopy(hf.config)
         cfg.num_key_value_heads = 1
         mqa = tf.LlamaForCausalLM(cfg).eval()
-        sd = {k: (v[:cfg.head_dim] if ("k_proj" in k or "v_proj" in k) else v) for k, v in hf.state_dict().items()}
-        mqa.load_state_dict(sd)
+        d = cfg.hidden_size // cfg.num_attention_heads
+        mqa.load_state_dict({k: (v[:d] if ("k_proj" in k or "v_proj" in k) else v) for k, v in hf.state_dict().items()})
         mqa.save_pretrained(str(tmp_path))
-        hf = mqa
-    source = ModelSource("hf", str(tmp_path))
+        path, hf = str(tmp_path), mqa
+    source = ModelSource("hf", path)
     cfg = load_hf_config(source)
     backend = make_backend("torch_ref", "cpu")
     model = build_model(cfg, backend, 64, torch.float32, torch.device("cpu"), DenseMethod(),
@@ -233,3 +235,44 @@ def test_gguf_slices_equal_the_whole_tensor(smollm2_path):
         assert torch.equal(lazy.narrow(1, 5, 7).materialize(), full[:, 5:12]), name  # not block-aligned
         checked += 1
     assert checked >= 8  # q and k (un-permuted rows), v, o, gate, up, down, the embedding
+
+
+def test_sigterm_to_the_driver_ends_its_workers(tiny_llama, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import sys, time\n"
+        "from kvserve.engine.llm import LLM\n"
+        f"llm = LLM({tiny_llama[0]!r}, tensor_parallel_size=2, kv_cache_memory='8MiB', num_threads=1)\n"
+        "print(*llm.engine.core.executor.worker_pids, flush=True)\n"
+        "time.sleep(600)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": root})
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 1 and _pids_alive(pids)
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(30)
+        deadline = time.monotonic() + 10
+        while _pids_alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _pids_alive(pids), "a worker outlived its driver"
+    finally:
+        driver.kill()
+
+
+@pytest.mark.slow
+def test_smollm2_over_three_ranks_matches_one(smollm2_path):
+    """SmolLM2's 9 heads / 3 KV heads split over 3 ranks (one KV head each): the same greedy tokens."""
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2040)), [28, 29, 30]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = LLM(smollm2_path, kv_cache_memory="64MiB", num_threads=1).generate(prompts, params, use_tqdm=False)
+    tp3 = LLM(smollm2_path, tensor_parallel_size=3, kv_cache_memory="64MiB", num_threads=1)
+    try:
+        out = tp3.generate(prompts, params, use_tqdm=False)
+    finally:
+        tp3.shutdown()
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]

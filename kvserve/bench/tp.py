@@ -108,7 +108,7 @@ def _measure(args) -> None:
         one = _run(model, 1, args.num_threads or cores, args.kv_cache_memory, requests)
         many = _run(model, n, args.num_threads or max(1, cores // n), args.kv_cache_memory, requests)
         hf = _hf_config(model)
-    print(f"\n| TP | seconds | output tok/s | total tok/s | vs TP=1 |\n|---|---|---|---|---|")
+    print("\n| TP | seconds | output tok/s | total tok/s | vs TP=1 |\n|---|---|---|---|---|")
     for r in (one, many):
         print(f"| {r['tp']} | {r['seconds']:.1f} | {r['output_tokens'] / r['seconds']:.1f} | "
               f"{(r['output_tokens'] + r['prompt_tokens']) / r['seconds']:.1f} | "
