@@ -6,6 +6,9 @@ says how many times the tokens of the unquantized `--kv-dtype` it holds. Grouped
 attention shows up through `num_key_value_heads` (MHA when absent, MQA when 1); GPT-2/Falcon-style configs
 (`n_layer`, `n_head`, `n_embd`, `multi_query`, `num_kv_heads`/`n_head_kv`) are read too (kv_cache/sizing.py).
 
+`--tensor-parallel-size N` gives one rank's figures: each holds its 1/N of the KV heads (one replicated KV
+head when there are fewer heads than ranks), so --memory is one rank's budget too.
+
 The shape can also come from flags alone, no checkpoint needed (`--num-layers --num-kv-heads --head-dim`);
 with `--model`, the flags override the file's values.
 
