@@ -130,6 +130,10 @@ class MultiprocExecutor:
             raise
         except Exception as e:
             if not self._dead_ranks() and not _is_comm_error(e):
+                # NOTE: the driver failed on its own mid-step: the followers wait in a collective that will
+                # never pair up, so the group is over (the engine stops on this error anyway)
+                self._failed = f"the driver's step failed ({type(e).__name__}: {e}); the engine cannot continue"
+                self.shutdown()
                 raise
             time.sleep(0.2)  # let a dying follower's exit code land
             dead = self._dead_ranks()

@@ -116,8 +116,8 @@ def main() -> int:
         _exit(1)
     try:
         follow(group, worker)
-    except Exception:  # the driver or another rank is gone: the collective broke
-        logger.warning("tensor-parallel rank %d stops: %s", spec.rank, traceback.format_exc(limit=1).strip())
+    except Exception:  # the driver or another rank is gone (the collective broke), or this rank failed
+        logger.error("tensor-parallel rank %d stops:\n%s", spec.rank, traceback.format_exc())
         _exit(1)
     group.close()
     return 0
