@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads per rank (default: cores / N for TP=N, all cores for TP=1)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="per rank")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of TP=1 and TP=N; the best counts")
     parser.add_argument("--cost-model-only", action="store_true", help="print the cost-model table and exit")
 
 
@@ -48,23 +49,28 @@ def _synthetic_model(path: str) -> str:
     return path
 
 
-def _run(model: str, tp: int, threads: int | None, kv: str, requests) -> dict:
+def _engine(model: str, tp: int, threads: int | None, kv: str, requests):
     from kvserve.engine.llm import LLM
-    from kvserve.sampling_params import SamplingParams
 
     llm = LLM(model, tensor_parallel_size=tp, num_threads=threads, kv_cache_memory=kv, speculative_config=None)
+    _run(llm, requests[:2])  # warm-up
+    return llm
+
+
+def _run(llm, requests) -> dict:
+    """One timed pass of the workload, and what the ranks sent during it."""
+    from kvserve.sampling_params import SamplingParams
+
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos, detokenize=False)
               for r in requests]
-    llm.generate([r.prompt_token_ids for r in requests[:2]], params[:2], use_tqdm=False)  # warm-up
-    executor = llm.engine.core.executor
-    group = getattr(executor, "group", None)
+    group = getattr(llm.engine.core.executor, "group", None)
     before = _snapshot(group)
     start = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = _snapshot(group)
-    llm.shutdown()
-    return {"tp": tp, "model": model, "seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+    return {"tp": llm.engine.config.parallel.tensor_parallel_size, "seconds": seconds,
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
             "comm": {k: after[k] - before[k] for k in after}}
 
@@ -88,6 +94,8 @@ def run(args) -> int:
     if args.tensor_parallel_size < 2:
         raise ValueError(f"--tensor-parallel-size must be >= 2 (it is compared with 1), got "
                          f"{args.tensor_parallel_size}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if not args.cost_model_only:
         _measure(args)
     print(f"\ncost model, {LLAMA_3_70B.name} shape (bf16, H100 SXM roofline, no overlap; bench/tp_cost.py):")
@@ -105,8 +113,17 @@ def _measure(args) -> None:
         model = args.model or _synthetic_model(tmp)
         name = args.model or "synthetic SmolLM2 shape, 8 heads / 2 KV heads"
         print(f"workload {args.workload}: {len(requests)} requests; model {name}; {cores} cores")
-        one = _run(model, 1, args.num_threads or cores, args.kv_cache_memory, requests)
-        many = _run(model, n, args.num_threads or max(1, cores // n), args.kv_cache_memory, requests)
+        llms = [_engine(model, 1, args.num_threads or cores, args.kv_cache_memory, requests),
+                _engine(model, n, args.num_threads or max(1, cores // n), args.kv_cache_memory, requests)]
+        best: list[dict | None] = [None, None]
+        for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits both alike; the best round counts
+            for i, llm in enumerate(llms):
+                r = _run(llm, requests)
+                if best[i] is None or r["seconds"] < best[i]["seconds"]:
+                    best[i] = r
+        for llm in llms:
+            llm.shutdown()
+        one, many = best
         hf = _hf_config(model)
     print("\n| TP | seconds | output tok/s | total tok/s | vs TP=1 |\n|---|---|---|---|---|")
     for r in (one, many):
