@@ -56,7 +56,8 @@ class MultiprocExecutor:
         self._sampled: dict[str, list[int]] = {}
         self.group: TPGroup | None = None
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _stop, self._procs, 0.0)
+        self._groups: list[TPGroup] = []  # the finalizer's handle on the group (it may not hold self)
+        self._finalizer = weakref.finalize(self, _release, self._procs, self._groups)
         try:
             store = dist.TCPStore(_LOCALHOST, 0, self.size, is_master=True, wait_for_workers=False,
                                   timeout=timedelta(seconds=timeout))
@@ -65,6 +66,7 @@ class MultiprocExecutor:
                 self._procs.append(_spawn(WorkerSpec(config, rank, self.size, _LOCALHOST, store.port, timeout)))
             self._wait_for(hello_key, timeout, "start")
             self.group = TPGroup(0, self.size, config.device.device, dist.PrefixStore("pg", store), timeout)
+            self._groups.append(self.group)
             self.worker = Worker(config, self.group.shard_context())
             self.worker.load_model()
             self._worker_blocks = [pickle.loads(v)[1] for v in self._wait_for(ready_key, timeout, "load its shard")]
@@ -184,6 +186,13 @@ def _spawn(spec: WorkerSpec) -> subprocess.Popen:
     proc.stdin.write(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
     proc.stdin.close()
     return proc
+
+
+def _release(procs: list[subprocess.Popen], groups: list[TPGroup]) -> None:
+    """An executor collected (or the interpreter exiting) without shutdown: kill the followers, free the group."""
+    _stop(procs, 0.0)
+    for group in groups:
+        group.close()
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
