@@ -34,3 +34,18 @@ def triton_interpret() -> bool:
     """TRITON_INTERPRET=1 (Triton's own variable, read by triton when it is imported): Triton kernels run on
     CPU tensors through its interpreter, which lets --attention-backend triton_paged run on the CPU (tests)."""
     return _get("TRITON_INTERPRET") == "1"
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) as torchrun sets them for each process it starts; None when either is unset
+    (`--distributed-executor-backend external_launcher` needs both; MASTER_ADDR and MASTER_PORT are read
+    by torch.distributed itself)."""
+    rank, world = _get("RANK"), _get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    return int(rank), int(world)
+
+
+def torchrun_local_rank() -> int:
+    """LOCAL_RANK: the rank's index on its own host (its GPU there); 0 when unset."""
+    return int(_get("LOCAL_RANK") or 0)

@@ -293,3 +293,16 @@ def test_parse_size_rejects_non_strings():
 
 def test_format_size():
     assert [format_size(n) for n in (0, 1023, 1536, 3 * 1024**3)] == ["0 B", "1023 B", "1.50 KiB", "3.00 GiB"]
+
+
+def test_cli_tensor_parallel_figures_are_per_rank(capsys):
+    shape = ("--num-layers", "80", "--num-kv-heads", "8", "--head-dim", "128", "--context", "8192",
+             "--kv-dtype", "bfloat16", "--memory", "20GiB")
+    whole = _cli_json(capsys, *shape)
+    r = _cli_json(capsys, *shape, "--tensor-parallel-size", "4")
+    assert r["kv_heads_per_rank"] == 2 and r["kv_bytes_per_token"] * 4 == whole["kv_bytes_per_token"]
+    assert r["max_sequences_in_memory"] == 4 * whole["max_sequences_in_memory"]
+    mqa = _cli_json(capsys, "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "64", "--tensor-parallel-size", "2")
+    assert mqa["kv_heads_per_rank"] == 1 and mqa["kv_bytes_per_token_all_ranks"] == 2 * mqa["kv_bytes_per_token"]
+    assert _cli(*shape, "--tensor-parallel-size", "3") == 2
+    assert "neither split nor replicate 8 KV heads" in capsys.readouterr().err

@@ -6,6 +6,9 @@ says how many times the tokens of the unquantized `--kv-dtype` it holds. Grouped
 attention shows up through `num_key_value_heads` (MHA when absent, MQA when 1); GPT-2/Falcon-style configs
 (`n_layer`, `n_head`, `n_embd`, `multi_query`, `num_kv_heads`/`n_head_kv`) are read too (kv_cache/sizing.py).
 
+`--tensor-parallel-size N` gives one rank's figures: each holds its 1/N of the KV heads (one replicated KV
+head when there are fewer heads than ranks), so --memory is one rank's budget too.
+
 The shape can also come from flags alone, no checkpoint needed (`--num-layers --num-kv-heads --head-dim`);
 with `--model`, the flags override the file's values.
 
@@ -143,6 +146,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engine's --kv-cache-dtype: int8 or fp8_e4m3 size a quantized cache (1 byte per element plus "
         f"a {KV_SCALE_BYTES}-byte scale per token and KV head, for K and V); default: auto, --kv-dtype's elements",
     )
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="ranks the model is sharded over (the engine's flag): each holds its share of the KV heads (a KV "
+        "head is replicated when there are fewer than ranks), and every figure, --memory included, is per rank",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a report")
 
 
@@ -188,6 +196,13 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         unquantized_per_token = per_token
         per_token = kv_bytes(num_layers, num_kv_heads, head_dim, 1, KV_SCALE_BYTES)
     num_heads = None if first_key(config, NUM_HEADS_KEYS) is None else num_query_heads(config)
+    tp = args.tensor_parallel_size
+    whole_per_token = per_token
+    if tp != 1:
+        if tp < 1 or (num_kv_heads % tp and tp % num_kv_heads):
+            raise ValueError(f"--tensor-parallel-size {tp} can neither split nor replicate {num_kv_heads} KV heads "
+                             f"(it must divide {num_kv_heads} or be a multiple of it)")
+        per_token = per_token * max(1, num_kv_heads // tp) // num_kv_heads
 
     context = args.context
     if context is None:
@@ -207,6 +222,9 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         "kv_dtype_bytes": 1 if quantized else dtype_bytes,
         "kv_scale_bytes": KV_SCALE_BYTES if quantized else 0,
         "kv_bytes_per_token": per_token,
+        "tensor_parallel_size": tp,
+        "kv_heads_per_rank": max(1, num_kv_heads // tp),
+        "kv_bytes_per_token_all_ranks": per_token * tp if tp > 1 else whole_per_token,
         "context": context,
         "batch": args.batch,
         "kv_bytes_per_sequence": per_sequence,
@@ -240,6 +258,9 @@ def _format_report(r: dict[str, Any]) -> str:
             f" + a {r['kv_scale_bytes']}-byte scale per token and KV head, for K and V" if r["kv_scale_bytes"] else ""),
         f"KV per token     {r['kv_bytes_per_token']:,} bytes ({format_size(r['kv_bytes_per_token'])})",
     ]
+    if r.get("tensor_parallel_size", 1) > 1:
+        lines.append(f"tensor parallel  {r['tensor_parallel_size']} ranks, {r['kv_heads_per_rank']} KV heads each: "
+                     f"the figures are per rank ({r['kv_bytes_per_token_all_ranks']:,} bytes per token on all ranks)")
     if r["context"] is None:
         lines.append("KV per sequence  (no --context and no max_position_embeddings: pass --context for it)")
     else:

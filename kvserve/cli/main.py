@@ -25,6 +25,7 @@ _BENCH = {
     "quality": ("kvserve.bench.quality", "quantized settings vs the full-precision model, teacher-forced: top-1 agreement, KL, perplexity"),
     "steps": ("kvserve.bench.steps", "time each engine step of a workload, by kind of step (where time goes)"),
     "soak": ("kvserve.bench.soak", "a fault soak: random, partly hostile traffic for M minutes, then leak checks"),
+    "tp": ("kvserve.bench.tp", "tensor parallelism: TP=N vs TP=1 throughput, bytes each rank sends, and the all-reduce cost model"),
     "compare": ("kvserve.bench.compare", "kvserve vs vLLM CPU, OpenVINO GenAI, llama.cpp, transformers, same run"),
 }
 

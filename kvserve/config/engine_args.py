@@ -18,7 +18,7 @@ from kvserve.config.generation import default_sampling, parse_override
 from kvserve.config.load import LoadConfig
 from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
-from kvserve.config.parallel import ParallelConfig
+from kvserve.config.parallel import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig
 from kvserve.config.quantization import QuantizationConfig
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.config.speculative import SpeculativeConfig
@@ -117,6 +117,14 @@ class EngineArgs:
                 "configs of real models: kvserve/models/configs/)",
         "choices": ("auto", "dummy")})
     seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
+    # ---- tensor parallelism (docs/PARALLELISM.md) ----
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks to shard the model over (Megatron-style; must divide the attention heads): each rank holds "
+                "its shard of the weights and of the KV cache; gloo on CPU, NCCL on CUDA"})
+    distributed_executor_backend: str = field(default="mp", metadata={
+        "help": "how the ranks start: mp (worker processes on this machine) or external_launcher (every rank "
+                "started by torchrun, on one host or several); ray is not implemented yet",
+        "choices": DISTRIBUTED_EXECUTOR_BACKENDS})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})
 
@@ -138,6 +146,14 @@ class EngineArgs:
         if self.load_format == "dummy" and self.quantization == "gguf":
             raise ValueError("quantization gguf keeps a GGUF file's blocks as stored: it cannot use random "
                              "(--load-format dummy) weights")
+        self._parallel_config()
+
+    def _parallel_config(self) -> ParallelConfig:
+        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        if parallel.tensor_parallel_size > 1 and self.enable_lora:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet (adapter slots "
+                             "are not sharded)")
+        return parallel
 
     def _quantization_config(self) -> QuantizationConfig:
         return QuantizationConfig(self.quantization, self.quantization_group_size)
@@ -185,11 +201,13 @@ class EngineArgs:
                 raise ValueError(f"the draft model holds {draft.max_model_len} positions, fewer than the target's "
                                  f"max_model_len {model.max_model_len}; lower --max-model-len")
             draft = dataclasses.replace(draft, max_model_len=model.max_model_len)
+        parallel = self._parallel_config()
+        parallel.check_model(model.hf_config)
         return EngineConfig(
             model=model,
             cache=self._cache_config(),
             scheduler=self._scheduler_config(model.max_model_len),
-            parallel=ParallelConfig(),
+            parallel=parallel,
             device=device,
             load=LoadConfig(self.load_format),
             speculative=speculative,

@@ -20,7 +20,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.spec_decode.policy import DraftLengthPolicy
 from kvserve.structured_output.manager import StructuredOutputManager
-from kvserve.worker.executor import UniprocExecutor
+from kvserve.worker.executor import make_executor
 
 logger = logging.getLogger("kvserve")
 
@@ -46,7 +46,7 @@ class EngineInfo:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.executor = UniprocExecutor(config)
+        self.executor = make_executor(config)
         num_blocks = self.executor.determine_num_blocks()
         self.kv_spec: KVCacheSpec = self.executor.init_kv_cache(num_blocks)
         self.block_pool = BlockPool(num_blocks)
@@ -64,6 +64,10 @@ class EngineCore:
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,
                                num_blocks, cache.block_size, mc.max_logprobs, cache.enable_prefix_caching,
                                dtype_name(self.kv_spec.dtype), self.kv_spec.num_bytes)
+
+    def shutdown(self) -> None:
+        """Stop the workers (tensor parallelism: the follower processes); the core cannot step after."""
+        self.executor.shutdown()
 
     def _load_tokenizer(self):
         # NOTE: the core produces no text; xgrammar alone needs the vocabulary's strings, on its compile thread.

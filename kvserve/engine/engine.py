@@ -113,6 +113,10 @@ class Engine:
     def prefix_cache_stats(self) -> dict:
         return self.core.prefix_cache_stats()
 
+    def shutdown(self) -> None:
+        """Stop the workers (tensor parallelism: its processes end); the engine cannot step after."""
+        self.core.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
 

@@ -207,6 +207,8 @@ def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable
     except Exception:
         emit(Stopped(traceback.format_exc()))
         return
+    finally:
+        core.shutdown()  # tensor parallelism: the worker processes end with the loop
     emit(Stopped(None))
 
 

@@ -25,6 +25,10 @@ class LLM:
         self.engine = Engine(EngineArgs.from_kwargs(model, **engine_args))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """End the engine's worker processes now (tensor parallelism) rather than when this LLM is collected."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

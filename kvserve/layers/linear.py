@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kvserve.layers.linear_methods import DenseMethod, LinearMethod
+from kvserve.models.lazy_tensor import materialize
 
 # All-reduce (sum) of a row-parallel layer's partial outputs across ranks; None on one rank.
 Reduce = Callable[[torch.Tensor], torch.Tensor] | None
@@ -53,6 +54,7 @@ def _copy_rows(layer: LinearBase, name: str, start: int, size: int, src) -> None
     in checkpoint blocks (not a tensor: it has .shape and .narrow) is recorded for the method to repack
     (`checkpoint_parts`) and the rows are left as they are."""
     dest = getattr(layer, name).data.narrow(0, start, size)
+    src = materialize(src)  # a checkpoint slice not read yet (tensor parallelism) is read now
     if isinstance(src, torch.Tensor):
         _copy(dest, src)
         return
@@ -62,6 +64,7 @@ def _copy_rows(layer: LinearBase, name: str, start: int, size: int, src) -> None
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    src = materialize(src)
     if tuple(dest.shape) != tuple(src.shape):
         raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
     dest.copy_(src)

@@ -309,8 +309,8 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 _LINEAR_SUFFIXES = tuple(hf for gguf_suffix, hf in _LAYER_TENSORS.items() if "norm" not in gguf_suffix)
 
 
-def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32,
-                      keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32, keep_blocks: bool = False,
+                      lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` for every tensor of a `llama` GGUF file, dequantized.
 
     keep_blocks (`--quantization gguf`): the decoder layers' linear weights stored as Q4_0, Q4_1 or Q8_0 come
@@ -323,7 +323,9 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32,
     only if the file has `output.weight` (otherwise the embeddings are tied).
 
     Each tensor is dequantized (in float32, by `gguf.quants.dequantize`) only when reached,
-    then cast to `dtype`; peak memory is one tensor beyond what the caller keeps.
+    then cast to `dtype`; peak memory is one tensor beyond what the caller keeps. lazy (a tensor-parallel
+    rank): 2-D tensors come as LazyTensors (models/lazy_tensor.py): only the rows and columns a layer
+    narrows them to are dequantized.
 
     Raises:
         FileNotFoundError / ValueError: as `load_gguf_config`; also ValueError, before any
@@ -360,6 +362,9 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32,
             yield hf_name, GGUFWeight(np.array(blocks, order="C"), gguf.GGMLQuantizationType(tensor.tensor_type),
                                       shape)
             continue
+        if lazy and len(tensor.shape) == 2:
+            yield hf_name, _lazy_tensor(tensor, config, dtype)
+            continue
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # GGUF lists dims fastest-first (ggml's ne[]); HF lists them slowest-first.
         expected_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -375,3 +380,17 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32,
             weight = np.array(weight, dtype=np.float32, order="C")
         # Cast after float32 dequantization, as transformers does, so both round identically.
         yield hf_name, torch.from_numpy(weight.astype(np.float32, copy=False)).to(dtype)
+
+
+def _lazy_tensor(tensor, config, dtype: torch.dtype):
+    """A 2-D GGUF tensor as a LazyTensor in HF layout (Q/K rows un-permuted by index, nothing read yet)."""
+    from kvserve.models.lazy_tensor import gguf_lazy
+
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    data = np.asarray(tensor.data).reshape(shape[0], -1)                  # [out, entries per row]
+    heads = (config.num_attention_heads if tensor.name.endswith(".attn_q.weight") else
+             config.num_key_value_heads if tensor.name.endswith(".attn_k.weight") else None)
+    order = None
+    if heads is not None:  # HF row i is file row order[i]: _unpermute_rope_rows as an index
+        order = _unpermute_rope_rows(np.arange(shape[0]), heads)
+    return gguf_lazy(data, gguf.GGMLQuantizationType(tensor.tensor_type), shape, dtype, order)

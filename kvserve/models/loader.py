@@ -15,6 +15,7 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.kv_cache.sizing import attention_shape
 from kvserve.layers.linear_methods import LinearMethod
 from kvserve.layers.parallel import ShardContext
+from kvserve.models.lazy_tensor import safetensors_lazy
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.registry import resolve_architecture
 
@@ -75,12 +76,14 @@ def load_tokenizer(source: ModelSource, allow_missing: bool = False):
     return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
 
 
-def iter_checkpoint_tensors(source: ModelSource, dtype: torch.dtype,
-                            keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """keep_blocks: a GGUF file's quantized linear weights as stored (gguf_loader.iter_gguf_tensors)."""
+def iter_checkpoint_tensors(source: ModelSource, dtype: torch.dtype, keep_blocks: bool = False,
+                            lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """keep_blocks: a GGUF file's quantized linear weights as stored (gguf_loader.iter_gguf_tensors).
+    lazy: 2-D tensors come as LazyTensors (models/lazy_tensor.py) that a sharded layer narrows to its slice
+    before anything is read; each must be used before the next is asked for (the file closes after)."""
     if source.kind == "gguf":
         from kvserve.models.gguf_loader import iter_gguf_tensors
-        yield from iter_gguf_tensors(source.path, dtype, keep_blocks)
+        yield from iter_gguf_tensors(source.path, dtype, keep_blocks, lazy)
         return
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
@@ -89,7 +92,7 @@ def iter_checkpoint_tensors(source: ModelSource, dtype: torch.dtype,
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                yield name, safetensors_lazy(f, name, dtype) if lazy else f.get_tensor(name).to(dtype)
 
 
 def build_model(hf_config, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,

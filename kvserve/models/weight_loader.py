@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from kvserve.models.lazy_tensor import materialize
+
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # Our fused module -> the checkpoint's separate modules, with the shard id each fills.
@@ -69,6 +71,7 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
 
 
 def _copy_whole(dest: torch.Tensor, src: torch.Tensor) -> None:
+    src = materialize(src)
     if tuple(dest.shape) != tuple(src.shape):
         raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
     dest.copy_(src)

@@ -1,5 +1,6 @@
-"""Executor: how the engine core reaches its workers. One worker in this process today; the tensor-parallel
-executor (a driver plus worker processes over torch.distributed) implements the same four calls."""
+"""Executor: how the engine core reaches its workers. UniprocExecutor: one worker in this process; the
+tensor-parallel executor (worker/tp_executor.py: a driver plus worker processes over torch.distributed)
+implements the same calls. make_executor picks one from the parallel config."""
 from __future__ import annotations
 
 from kvserve.config.engine import EngineConfig
@@ -22,3 +23,16 @@ class UniprocExecutor:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(out)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(config: EngineConfig):
+    if config.parallel.tensor_parallel_size == 1:
+        return UniprocExecutor(config)
+    if config.parallel.distributed_executor_backend == "external_launcher":
+        from kvserve.worker.tp_launcher import ExternalLauncherExecutor
+        return ExternalLauncherExecutor(config)
+    from kvserve.worker.tp_executor import MultiprocExecutor
+    return MultiprocExecutor(config)

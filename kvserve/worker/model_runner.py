@@ -53,8 +53,12 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, max_num_reqs: int,
                  max_model_len: int, device: torch.device, proposer: Proposer | None = None,
-                 lora: LoRAManager | None = None):
+                 lora: LoRAManager | None = None, samples: bool = True):
         self.model = model
+        self.samples = samples
+        """False on a tensor-parallel follower rank: it runs the forward pass and the LM head (their
+        collectives need every rank) but the driver samples; the driver's tokens reach it through
+        append_sampled before the next step."""
         self.proposer = proposer
         self.lora = lora
         """Adapter slots (enable_lora): set before each forward pass with the step's token -> adapter map."""
@@ -98,6 +102,8 @@ class ModelRunner:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs, execute_s=time.perf_counter() - step_start)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])                 # [N, vocab]
         self.forward_s += time.perf_counter() - start
+        if not self.samples:
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         result = self.sample(logits, inputs)
         result.prompt_logprobs = prompt_logprobs
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
@@ -108,6 +114,15 @@ class ModelRunner:
             result.spec_token_ids = self.propose(out.num_draft_tokens_to_propose, result.req_ids)
         result.execute_s = time.perf_counter() - step_start
         return result
+
+    def append_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """A follower rank: the tokens the driver's previous step gave each request (what `execute`
+        appends on the driver itself), applied before this step's diff."""
+        batch = self.batch
+        for req_id, tokens in sampled.items():
+            row = batch.index[req_id]  # NOTE: it sampled in the previous step, so it is in the batch
+            for token in tokens:
+                batch.append_token(row, token)
 
     def _step_adapters(self, out: SchedulerOutput) -> dict:
         """Adapter id -> LoRARequest of the requests in this step (at most max_loras: the scheduler's rule)."""

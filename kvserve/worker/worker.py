@@ -2,7 +2,8 @@
 
 The engine core asks it, in order: load_model(), determine_num_blocks() (how many KV blocks the memory
 budget holds), init_kv_cache(num_blocks), then execute_model(scheduler_output) every step. A tensor-
-parallel rank is a Worker built with its ShardContext; it needs nothing else from the engine.
+parallel rank is a Worker built with its ShardContext; it needs nothing else from the engine. Only the
+driver (rank 0) samples and proposes drafts: a draft model lives there alone, unsharded.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Worker:
     def __init__(self, config: EngineConfig, shard: ShardContext = ShardContext()):
         self.config = config
         self.shard = shard
+        self.is_driver = shard.rank == 0
         self.device = config.device.device
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
@@ -69,10 +71,12 @@ class Worker:
         self.model = self._load(self.config.model, batch)
         if lora is not None:
             self.lora = LoRAManager(self.model, batch, lora, self.config.model.hf_config, self.device)
-        if self.config.draft_model is not None:
-            self.draft_model = self._load(self.config.draft_model)
+        if self.config.draft_model is not None and self.is_driver:
+            self.draft_model = self._load(self.config.draft_model, shard=ShardContext())
 
-    def _load(self, mc: ModelConfig, lora_batch: LoRABatch | None = None) -> LlamaForCausalLM:
+    def _load(self, mc: ModelConfig, lora_batch: LoRABatch | None = None,
+              shard: ShardContext | None = None) -> LlamaForCausalLM:
+        shard = self.shard if shard is None else shard
         dense = default_method(self.device, mc.dtype)
         # NOTE: only the target model is quantized (a draft model is small, and its proposals are verified).
         quant = self.config.quantization if mc is self.config.model else QuantizationConfig()
@@ -80,14 +84,16 @@ class Worker:
         if lora_batch is not None:
             lora = self.config.lora
             method = LoRAMethod(method, lora_batch, lora.max_loras, lora.max_lora_rank)
-        model = build_model(mc.hf_config, self.backend, mc.max_model_len, mc.dtype, self.device, method, self.shard,
+        model = build_model(mc.hf_config, self.backend, mc.max_model_len, mc.dtype, self.device, method, shard,
                             head_method=dense)
         check_layers(model, quant.method, quant.group_size)
         loaded_bytes = weight_bytes(model)
         if self.config.load.load_format == "dummy":
             initialize_dummy_weights(model, self.config.seed)
         else:
-            load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype, keep_blocks=quant.method == "gguf"))
+            # NOTE: a sharded rank reads only its slices of each tensor (models/lazy_tensor.py)
+            load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype, keep_blocks=quant.method == "gguf",
+                                                        lazy=shard.size > 1))
         model.eval()
         if mc is self.config.model:
             held = weight_bytes(model)
@@ -96,6 +102,9 @@ class Worker:
                         loaded_bytes / 2**20, str(mc.dtype).removeprefix("torch."), held, held / 2**20,
                         f" {quant.describe()}" if quant.method else f" {dense.name}",
                         str(mc.dtype).removeprefix("torch."))
+            if shard.size > 1:
+                logger.info("tensor parallel rank %d of %d holds %d bytes (%.1f MiB) of weights: its shard",
+                            shard.rank, shard.size, held, held / 2**20)
         if self.device.type == "cpu" and mc.dtype == torch.float32 and self.backend.name != "torch_ref":
             model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
         return model
@@ -158,7 +167,8 @@ class Worker:
         spec = self.kv_cache_spec(num_blocks)
         proposer = self._make_proposer(num_blocks)
         self.runner = ModelRunner(self.model, self.backend, spec, self.config.scheduler.max_num_seqs,
-                                  self.config.model.max_model_len, self.device, proposer, self.lora)
+                                  self.config.model.max_model_len, self.device, proposer, self.lora,
+                                  samples=self.is_driver)
         max_len = self.config.model.max_model_len
         if self._use_cuda_graphs():
             graphs = CudaGraphRunner(self.model, self.backend, self.runner.kv_caches,
@@ -167,6 +177,10 @@ class Worker:
             graphs.capture()
             self.runner.cuda_graphs = graphs
         scales = f" + {spec.scale_size} B scale" if spec.quantized else ""
+        if self.shard.size > 1:
+            logger.info("tensor parallel rank %d of %d: this rank's KV cache holds %d of the model's %d KV heads "
+                        "(the figures below are this rank's)", self.shard.rank, self.shard.size, spec.num_kv_heads,
+                        self.config.model.hf_config.num_key_value_heads)
         logger.info(
             "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %d bytes/token "
             "= 2 x %d layers x %d kv_heads x (%d head_dim x %d B%s); max concurrency at max_model_len %d: %.2fx",
@@ -183,7 +197,7 @@ class Worker:
 
     def _make_proposer(self, num_blocks: int) -> Proposer | None:
         spec = self.config.speculative
-        if spec is None:
+        if spec is None or not self.is_driver:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
