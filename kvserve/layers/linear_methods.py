@@ -38,10 +38,12 @@ class DenseMethod:
 
 
 class OneDNNPackedMethod:
-    """CPU fp32: the weight reordered once into oneDNN's blocked layout (kept beside the loaded weight, which
-    stays for inspection and reloading). Faster than F.linear's MKL sgemm at every batch size we run, most at
-    decode sizes; `python -m kvserve.layers.linear_methods` prints the comparison. Results differ from
-    F.linear only by summation order (~1e-6 relative)."""
+    """CPU fp32 and bf16: the weight reordered once into oneDNN's blocked layout (kept beside the loaded weight,
+    which stays for inspection and reloading). fp32: faster than F.linear's MKL sgemm at every batch size we
+    run, most at decode sizes. bf16 (AVX512_BF16 dot products, fp32 accumulation): F.linear on a bf16 weight
+    takes a slow path at batch 1 (tens of times slower) and is slower at 16 and 512 too.
+    `python -m kvserve.layers.linear_methods` prints the comparison. Results differ from F.linear only by
+    summation order (~1e-6 relative in fp32)."""
 
     name = "onednn"
 
@@ -58,7 +60,11 @@ class OneDNNPackedMethod:
 
 def default_method(device: torch.device, dtype: torch.dtype) -> LinearMethod:
     """The fastest method that is exact for this device and dtype."""
-    if device.type == "cpu" and dtype == torch.float32 and OneDNNPackedMethod.available():
+    from kvserve.utils import cpu_features
+
+    if device.type != "cpu" or not OneDNNPackedMethod.available():
+        return DenseMethod()
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_features.native_bf16()):
         return OneDNNPackedMethod()
     return DenseMethod()
 
@@ -67,12 +73,12 @@ if __name__ == "__main__":  # the measurement behind OneDNNPackedMethod's docstr
     import time
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2: qkv, o, gate_up, down
-    for m in (1, 16, 64, 512):
-        xs = [torch.randn(m, k) for _, k in shapes]
+    for m, dtype in ((m, dtype) for dtype in (torch.float32, torch.bfloat16) for m in (1, 16, 64, 512)):
+        xs = [torch.randn(m, k, dtype=dtype) for _, k in shapes]
         layers = []
         for n, k in shapes:
             layer = nn.Module()
-            layer.weight = nn.Parameter(torch.randn(n, k) * 0.02, requires_grad=False)
+            layer.weight = nn.Parameter((torch.randn(n, k) * 0.02).to(dtype), requires_grad=False)
             layers.append(layer)
         flops = sum(2 * m * n * k for n, k in shapes)
         for method in (DenseMethod(), OneDNNPackedMethod()):
@@ -86,4 +92,5 @@ if __name__ == "__main__":  # the measurement behind OneDNNPackedMethod's docstr
                 for _ in range(reps):
                     [method.apply(layer, x, None) for layer, x in zip(layers, xs)]
                 dt = (time.perf_counter() - t) / reps
-            print(f"M={m:4d} {method.name:7s} {dt * 1e3:7.3f} ms per layer  {flops / dt / 1e9:6.1f} GFLOP/s")
+            print(f"{str(dtype).removeprefix('torch.'):8s} M={m:4d} {method.name:7s} {dt * 1e3:7.3f} ms per layer  "
+                  f"{flops / dt / 1e9:6.1f} GFLOP/s")

@@ -84,7 +84,8 @@ class Worker:
                         loaded_bytes / 2**20, str(mc.dtype).removeprefix("torch."), held, held / 2**20,
                         f" {quant.describe()}" if quant.method else f" {dense.name}",
                         str(mc.dtype).removeprefix("torch."))
-        if self.device.type == "cpu" and mc.dtype == torch.float32 and self.backend.name != "torch_ref":
+        if (self.device.type == "cpu" and mc.dtype in (torch.float32, torch.bfloat16)
+                and self.backend.name != "torch_ref"):
             model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
         return model
 
