@@ -258,3 +258,31 @@ def test_bf16_with_native_support_uses_onednn(monkeypatch, caplog):
         assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert not caplog.text
     assert isinstance(default_method(CPU, torch.bfloat16), OneDNNPackedMethod)
+
+
+# --------------------------------------------------------------------------- bench quality --dtype
+
+
+@needs_bf16
+def test_bench_quality_compares_bf16_with_a_float32_reference(tiny_llama, tmp_path, capsys):
+    import argparse
+    import json
+
+    from kvserve.bench.quality import add_arguments, run, settings
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join('{"id": "%d", "prompt_token_ids": %s, "max_tokens": 1}\n' % (i, list(range(5 + i, 40 + i)))
+                            for i in range(2)))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", tiny_llama[0], "--workload", str(path), "--quantization", "",
+                              "--dtype", "bfloat16", "--top-k", "8", "--chunk", "16",
+                              "--num-gpu-blocks-override", "64", "--json"])
+    assert settings(args) == [("reference", {}), ("--dtype bfloat16", {"dtype": "bfloat16"})]
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out[out.index("[\n"):])  # after the table: the --json dump
+    assert [r["setting"] for r in rows] == ["reference", "--dtype bfloat16"]
+    assert rows[0]["top1_agreement"] == 1.0
+    # bf16 is not the float32 reference (it would agree everywhere with KL 0), yet close to it
+    assert rows[1]["mean_kl"] > 0 and rows[1]["top1_agreement"] > 0.8
