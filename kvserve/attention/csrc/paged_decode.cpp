@@ -132,10 +132,10 @@ void attend_one(const float* q,       // [Q, Hq, D] this sequence's query tokens
       if constexpr (kQuantized) {
         // NOTE: widened once per block and head into L1 (the G query heads then read floats), not once
         // per query head inside the dot products and V sums, which made the byte-wide cache compute-bound.
-        // (sbase is null for bf16: dequantize_rows reads no scale then, kScaled<T> being false)
-        dequantize_rows<kD>(base + h * D, sbase + h, n, D, g.slot_stride, g.scale_slot_stride, k_rows);
-        dequantize_rows<kD>(base + Hkv * D + h * D, sbase + Hkv + h, n, D, g.slot_stride, g.scale_slot_stride,
-                            v_rows);
+        const float* k_scales = kScaled<T> ? sbase + h : nullptr;  // bf16: none (dequantize_rows reads none)
+        const float* v_scales = kScaled<T> ? sbase + Hkv + h : nullptr;
+        dequantize_rows<kD>(base + h * D, k_scales, n, D, g.slot_stride, g.scale_slot_stride, k_rows);
+        dequantize_rows<kD>(base + Hkv * D + h * D, v_scales, n, D, g.slot_stride, g.scale_slot_stride, v_rows);
         kbase = k_rows, vbase = v_rows, stride = D;
       } else {
         kbase = base + h * D, vbase = base + Hkv * D + h * D, stride = g.slot_stride;
