@@ -258,7 +258,7 @@ def test_bf16_with_native_support_uses_onednn(monkeypatch, caplog):
         assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert not caplog.text
     assert isinstance(default_method(CPU, torch.bfloat16), OneDNNPackedMethod)
-    # auto stays float32 (bf16's 97.2% top-1 agreement is at the bar, README) and says bf16 is on offer
+    # auto stays float32 (bf16's 97.4% top-1 agreement is at the bar, README) and says bf16 is on offer
     with caplog.at_level(logging.INFO, logger="kvserve.config.model"):
         assert resolve_dtype("auto", CPU) == torch.float32
     assert "--dtype bfloat16" in caplog.text

@@ -52,7 +52,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # NOTE: fp32 on every CPU. Without AVX512_BF16/AMX (the AVX2 CPUs we target) bf16 matmuls run under
         # 1 GFLOP/s; with it, bf16 is faster but not chosen: `kvserve bench quality --dtype bfloat16` gives
-        # 97.2% top-1 agreement with fp32 (README, "bfloat16 on CPU"), at the bar, not clearly above it.
+        # 97.4% top-1 agreement with fp32 (README, "bfloat16 on CPU"), at the bar, not clearly above it.
         if device.type == "cuda":
             return torch.bfloat16
         if cpu_features.native_bf16():
