@@ -1,6 +1,6 @@
 """cpu_paged: decodes through the C++ paged decode kernel (csrc/paged_decode.cpp: K/V read in place through
 the block tables, one pass with an online softmax; an int8/fp8 cache is dequantized as it is read, with its
-scales), prefill chunks as in the reference backend."""
+scales, and a bfloat16 one widened), prefill chunks as in the reference backend."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,7 +58,9 @@ class CPUPagedBackend:
         if nd:
             values, scales = ((kv_cache.values, kv_cache.scales) if isinstance(kv_cache, QuantizedKVCache)
                               else (kv_cache, None))
-            out[:nd] = self.kernel.paged_decode_attention(q[:nd].contiguous(), values, meta.decode_block_table,
+            # NOTE: the kernel takes float32 queries (a bf16 model's are a few rows: cheap to widen) and
+            # returns float32; the copy into `out` rounds back to the model's dtype.
+            out[:nd] = self.kernel.paged_decode_attention(q[:nd].float().contiguous(), values, meta.decode_block_table,
                                                           meta.decode_seq_lens, scale, meta.decode_query_start,
                                                           scales)
         prefill_attention(q, k, v, flat, meta.prefills, out, scale)

@@ -1,6 +1,7 @@
-"""`kvserve bench quality`: what quantization costs in quality, measured against the full-precision model.
+"""`kvserve bench quality`: what quantization and bf16 cost in quality, measured against the float32 model.
 
-Every setting (the reference, then each `--quantization` value alone and each `--kv-cache-dtype` value alone)
+Every setting (the reference, in float32, then each `--quantization` value alone, each `--kv-cache-dtype` value
+alone and each `--dtype` value alone)
 runs the workload's prompts teacher-forced: the prompt tokens go in as they are and each position's
 next-token distribution comes back through prompt logprobs (the prompt's own forward pass, top `--top-k`
 entries plus the actual token). Prompts run in `--chunk`-token prefill chunks, so most attention reads come
@@ -48,12 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="",
                         help="comma-separated KV-cache dtypes (the engine's --kv-cache-dtype values) to compare, "
                              "each alone; empty: none")
+    parser.add_argument("--dtype", default="",
+                        help="comma-separated model dtypes (the engine's --dtype values, e.g. bfloat16) to compare, "
+                             "each alone; empty: none. The reference always runs in float32")
     parser.add_argument("--top-k", type=int, default=64, help="entries per position the metrics use")
     parser.add_argument("--chunk", type=int, default=32, help="prefill chunk (max_num_batched_tokens)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON too")
-    # NOTE: --quantization and --kv-cache-dtype are this command's lists of settings, not one engine value.
+    # NOTE: --quantization, --kv-cache-dtype and --dtype are this command's lists of settings, not one engine value.
     EngineArgs.add_cli_args(parser.add_argument_group("engine (the reference setting; others change one flag)"),
-                            exclude=("quantization", "kv_cache_dtype"))
+                            exclude=_SETTING_FLAGS)
+
+
+_SETTING_FLAGS = ("quantization", "kv_cache_dtype", "dtype")
 
 
 def settings(args) -> list[tuple[str, dict]]:
@@ -63,6 +70,8 @@ def settings(args) -> list[tuple[str, dict]]:
         out.append((f"--quantization {q}", {"quantization": q}))
     for d in filter(None, (s.strip() for s in args.kv_cache_dtype.split(","))):
         out.append((f"--kv-cache-dtype {d}", {"kv_cache_dtype": d}))
+    for d in filter(None, (s.strip() for s in args.dtype.split(","))):
+        out.append((f"--dtype {d}", {"dtype": d}))
     return out
 
 
@@ -118,9 +127,9 @@ def run(args) -> int:
         raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
     requests = load_workload(args.workload, args.num_prompts)
     prompts = [r.prompt_token_ids for r in requests]
-    engine_flags = argparse.Namespace(**{k: v for k, v in vars(args).items()
-                                         if k not in ("quantization", "kv_cache_dtype")})
-    base = dataclasses.replace(EngineArgs.from_cli(engine_flags), max_num_batched_tokens=args.chunk,
+    engine_flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in _SETTING_FLAGS})
+    # NOTE: float32 pinned, not auto: the reference must not follow auto to bf16 on a CPU that has it.
+    base = dataclasses.replace(EngineArgs.from_cli(engine_flags), dtype="float32", max_num_batched_tokens=args.chunk,
                                max_logprobs=max(args.top_k, 20), speculative_config=None)
     rows, ref = [], None
     for label, changes in settings(args):

@@ -39,7 +39,8 @@ class EngineArgs:
     model: str | None = field(default=None, metadata={
         "help": "Hugging Face folder or .gguf file; default: the built-in SmolLM2-135M-Instruct GGUF"})
     dtype: str = field(default="auto", metadata={
-        "help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+        "help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 (on CPU fast "
+                "with AVX512_BF16 or AMX, emulated and slow without), float16",
         "choices": _DTYPES})
     device: str = field(default="auto", metadata={
         "help": "auto (the CPU: the CUDA path is not yet tested), cpu or cuda", "choices": ("auto", "cpu", "cuda")})

@@ -3,7 +3,7 @@
 `LayerOps` is the PyTorch reference; `FusedLayerOps` does each step in one C++ call (csrc/layer_ops.cpp),
 in place where the reference allocates. On CPU a decode step's element-wise work is small and PyTorch's
 per-call dispatch dominates it: the fused ops cut a layer from ~45 PyTorch calls to ~20. Tests compare the
-two; the engine picks the fused ones on CPU float32 when the extension builds.
+two; the engine picks the fused ones on CPU float32 and bfloat16 when the extension builds.
 """
 from __future__ import annotations
 

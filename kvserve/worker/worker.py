@@ -105,7 +105,8 @@ class Worker:
             if shard.size > 1:
                 logger.info("tensor parallel rank %d of %d holds %d bytes (%.1f MiB) of weights: its shard",
                             shard.rank, shard.size, held, held / 2**20)
-        if self.device.type == "cpu" and mc.dtype == torch.float32 and self.backend.name != "torch_ref":
+        if (self.device.type == "cpu" and mc.dtype in (torch.float32, torch.bfloat16)
+                and self.backend.name != "torch_ref"):
             model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
         return model
 

@@ -17,6 +17,7 @@
 // parameter: a block's K and V rows of one KV head are widened to float times their scales into two
 // block-sized buffers that stay in L1, and the float code reads those. No dequantized copy of the context
 // is made (one block of one head at a time), and DRAM delivers a byte per element instead of four.
+// A bfloat16 cache (--dtype bfloat16) is widened the same way, without scales: two bytes per element.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -40,6 +41,14 @@ struct Fp8E4M3 {
   uint8_t bits;
 };
 
+// bfloat16, as its bit pattern: a --dtype bfloat16 cache. Widened like a quantized cache (into the same L1
+// buffers), but it has no scales.
+struct Bf16 {
+  uint16_t bits;
+};
+template <typename T>
+constexpr bool kScaled = !std::is_same<T, float>::value && !std::is_same<T, Bf16>::value;
+
 inline float to_float(float x) { return x; }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 // The sign, exponent and mantissa bits moved to a float32's sign, low exponent and high mantissa bits give
@@ -53,6 +62,12 @@ inline float to_float(Fp8E4M3 x) {
   std::memcpy(&f, &u, sizeof f);
   return f * 0x1p120f;
 }
+inline float to_float(Bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 // rows [n, D] of one KV head (source rows `stride` elements apart) -> float rows [n, D], each times its scale.
 template <int kD, typename T>
@@ -62,7 +77,7 @@ inline void dequantize_rows(const T* src, const float* scales, int64_t n, int64_
   for (int64_t t = 0; t < n; ++t) {
     const T* __restrict row = src + t * stride;
     float* __restrict out = dst + t * D;
-    const float s = scales[t * scale_stride];
+    const float s = kScaled<T> ? scales[t * scale_stride] : 1.0f;
     for (int64_t d = 0; d < D; ++d) out[d] = to_float(row[d]) * s;
   }
 }
@@ -95,7 +110,7 @@ void attend_one(const float* q,       // [Q, Hq, D] this sequence's query tokens
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t n = std::min(BS, seq_len - blk * BS);
     const T* base = kv + table[blk] * g.block_stride;
-    const float* sbase = kQuantized ? kv_scales + table[blk] * g.scale_block_stride : nullptr;
+    const float* sbase = kScaled<T> ? kv_scales + table[blk] * g.scale_block_stride : nullptr;
     if (blk + kPrefetchAhead < num_blocks) {
       // NOTE: blocks sit anywhere in the pool and the hardware prefetcher does not follow the block
       // table; asking for a block ahead now overlaps its DRAM latency with this block's arithmetic.
@@ -104,7 +119,7 @@ void attend_one(const float* q,       // [Q, Hq, D] this sequence's query tokens
       const char* next = reinterpret_cast<const char*>(kv + table[ahead] * g.block_stride);
       const int64_t bytes = tokens * g.slot_stride * static_cast<int64_t>(sizeof(T));
       for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off);
-      if (kQuantized) {
+      if (kScaled<T>) {
         const char* next_scales = reinterpret_cast<const char*>(kv_scales + table[ahead] * g.scale_block_stride);
         const int64_t scale_bytes = tokens * g.scale_slot_stride * 4;
         for (int64_t off = 0; off < scale_bytes; off += 64) __builtin_prefetch(next_scales + off);
@@ -117,9 +132,10 @@ void attend_one(const float* q,       // [Q, Hq, D] this sequence's query tokens
       if constexpr (kQuantized) {
         // NOTE: widened once per block and head into L1 (the G query heads then read floats), not once
         // per query head inside the dot products and V sums, which made the byte-wide cache compute-bound.
-        dequantize_rows<kD>(base + h * D, sbase + h, n, D, g.slot_stride, g.scale_slot_stride, k_rows);
-        dequantize_rows<kD>(base + Hkv * D + h * D, sbase + Hkv + h, n, D, g.slot_stride, g.scale_slot_stride,
-                            v_rows);
+        const float* k_scales = kScaled<T> ? sbase + h : nullptr;  // bf16: none (dequantize_rows reads none)
+        const float* v_scales = kScaled<T> ? sbase + Hkv + h : nullptr;
+        dequantize_rows<kD>(base + h * D, k_scales, n, D, g.slot_stride, g.scale_slot_stride, k_rows);
+        dequantize_rows<kD>(base + Hkv * D + h * D, v_scales, n, D, g.slot_stride, g.scale_slot_stride, v_rows);
         kbase = k_rows, vbase = v_rows, stride = D;
       } else {
         kbase = base + h * D, vbase = base + Hkv * D + h * D, stride = g.slot_stride;
@@ -230,8 +246,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [T, Hq, D] f
                 "paged_decode_attention: kv_scales must be contiguous float32 shaped as kv without head_dim");
     sp = kv_scales->data_ptr<float>();
   } else {
-    TORCH_CHECK(kv.scalar_type() == torch::kFloat32,
-                "paged_decode_attention: an unquantized cache must be float32 (int8/fp8 need kv_scales)");
+    TORCH_CHECK(kv.scalar_type() == torch::kFloat32 || kv.scalar_type() == torch::kBFloat16,
+                "paged_decode_attention: an unquantized cache must be float32 or bfloat16 (int8/fp8 need kv_scales)");
   }
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "block_table and seq_lens must be int64");
@@ -258,6 +274,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [T, Hq, D] f
   const void* kvp = kv.data_ptr();
   if (kv.scalar_type() == torch::kFloat32) {
     attend_all_heads(qp, static_cast<const float*>(kvp), sp, bt, sl, qs, B, D, g, fscale, op);
+  } else if (kv.scalar_type() == torch::kBFloat16) {
+    attend_all_heads(qp, static_cast<const Bf16*>(kvp), sp, bt, sl, qs, B, D, g, fscale, op);
   } else if (kv.scalar_type() == torch::kInt8) {
     attend_all_heads(qp, static_cast<const int8_t*>(kvp), sp, bt, sl, qs, B, D, g, fscale, op);
   } else {
@@ -268,7 +286,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [T, Hq, D] f
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "paged decode attention (CPU; float32 queries, a float32, int8 or fp8 e4m3 cache)",
+        "paged decode attention (CPU; float32 queries, a float32, bfloat16, int8 or fp8 e4m3 cache)",
         py::arg("q"), py::arg("kv"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("query_start") = py::none(), py::arg("kv_scales") = py::none());
 }

@@ -1,15 +1,89 @@
-// Fused element-wise steps of a decoder layer, for CPU float32 (the role of vLLM's fused_add_rms_norm,
-// rotary_embedding and silu_and_mul custom ops). Each replaces 3-14 PyTorch calls; at decode batch sizes a
-// layer's element-wise work is tiny and the per-call dispatch cost is what these save.
+// Fused element-wise steps of a decoder layer, for CPU float32 and bfloat16 (the role of vLLM's
+// fused_add_rms_norm, rotary_embedding and silu_and_mul custom ops). Each replaces 3-14 PyTorch calls; at
+// decode batch sizes a layer's element-wise work is tiny and the per-call dispatch cost is what these save.
+// bfloat16 tensors are read into float, computed in float and rounded once when stored (PyTorch's reference
+// rounds after every op: the fused result is the closer one to float32).
 #include <torch/extension.h>
+
+#include <c10/util/BFloat16.h>
 
 #include <cmath>
 
 namespace {
 
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.scalar_type() == torch::kFloat32,
-              name, ": expected a float32 [rows, cols] tensor with contiguous rows");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 &&
+                  (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
+              name, ": expected a float32 or bfloat16 [rows, cols] tensor with contiguous rows");
+}
+
+void check_same_dtype(const torch::Tensor& a, const torch::Tensor& b, const char* name) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), name, ": all tensors must have one dtype");
+}
+
+template <typename T>
+void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, float eps) {
+  const int64_t T_ = x.size(0), H = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+#pragma omp parallel for schedule(static) if (T_ > 8)
+  for (int64_t t = 0; t < T_; ++t) {
+    T* xr = xp + t * xs;
+    T* rr = rp + t * rs;
+    float ss = 0.0f;
+    for (int64_t h = 0; h < H; ++h) {
+      // NOTE: the residual stream is stored in T, so the norm is taken of the stored (rounded) sum, as
+      // transformers does.
+      const T v = static_cast<T>(static_cast<float>(rr[h]) + static_cast<float>(xr[h]));
+      rr[h] = v;
+      const float f = static_cast<float>(v);
+      ss += f * f;
+    }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+    for (int64_t h = 0; h < H; ++h)
+      xr[h] = static_cast<T>(static_cast<float>(rr[h]) * inv * static_cast<float>(wp[h]));
+  }
+}
+
+template <typename T>
+void rope_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_heads,
+               int64_t head_dim) {
+  const int64_t T_ = qkv.size(0), D = head_dim, half = head_dim / 2, stride = qkv.stride(0);
+  T* p = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+#pragma omp parallel for schedule(static) if (T_ > 8)
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* c = cp + t * D;
+    const T* s = sp + t * D;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      T* x = p + t * stride + h * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+        x[i] = static_cast<T>(x1 * static_cast<float>(c[i]) - x2 * static_cast<float>(s[i]));
+        x[i + half] = static_cast<T>(x2 * static_cast<float>(c[i + half]) + x1 * static_cast<float>(s[i + half]));
+      }
+    }
+  }
+}
+
+template <typename T>
+void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+#pragma omp parallel for schedule(static) if (T_ > 8)
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* g = gp + t * stride;
+    const T* u = g + I;
+    T* o = op + t * I;
+    for (int64_t i = 0; i < I; ++i) {
+      const float gi = static_cast<float>(g[i]);
+      o[i] = static_cast<T>(gi / (1.0f + std::exp(-gi)) * static_cast<float>(u[i]));
+    }
+  }
 }
 
 }  // namespace
@@ -19,26 +93,14 @@ void check_rows(const torch::Tensor& t, const char* name) {
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   check_rows(x, "add_rms_norm_ x");
   check_rows(residual, "add_rms_norm_ residual");
+  check_same_dtype(x, residual, "add_rms_norm_");
+  check_same_dtype(x, weight, "add_rms_norm_");
   TORCH_CHECK(x.sizes() == residual.sizes() && weight.numel() == x.size(1) && weight.is_contiguous(),
               "add_rms_norm_: shapes do not match");
-  const int64_t T = x.size(0), H = x.size(1);
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const int64_t xs = x.stride(0), rs = residual.stride(0);
-  const float feps = static_cast<float>(eps);
-#pragma omp parallel for schedule(static) if (T > 8)
-  for (int64_t t = 0; t < T; ++t) {
-    float* xr = xp + t * xs;
-    float* rr = rp + t * rs;
-    float ss = 0.0f;
-    for (int64_t h = 0; h < H; ++h) {
-      const float v = rr[h] + xr[h];
-      rr[h] = v;
-      ss += v * v;
-    }
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + feps);
-    for (int64_t h = 0; h < H; ++h) xr[h] = rr[h] * inv * wp[h];
+  if (x.scalar_type() == torch::kFloat32) {
+    add_rms_norm_impl<float>(x, residual, weight, static_cast<float>(eps));
+  } else {
+    add_rms_norm_impl<c10::BFloat16>(x, residual, weight, static_cast<float>(eps));
   }
 }
 
@@ -46,41 +108,26 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 // of a fused projection): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos/sin [T, D].
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim) {
   check_rows(qkv, "rope_ qkv");
+  check_same_dtype(qkv, cos, "rope_");
+  check_same_dtype(qkv, sin, "rope_");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == qkv.size(0) * head_dim &&
                   sin.numel() == cos.numel() && head_dim % 2 == 0 && num_heads * head_dim <= qkv.size(1),
               "rope_: shapes do not match");
-  const int64_t T = qkv.size(0), D = head_dim, half = head_dim / 2, stride = qkv.stride(0);
-  float* p = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (T > 8)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* c = cp + t * D;
-    const float* s = sp + t * D;
-    for (int64_t h = 0; h < num_heads; ++h) {
-      float* x = p + t * stride + h * D;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * c[i] - x2 * s[i];
-        x[i + half] = x2 * c[i + half] + x1 * s[i + half];
-      }
-    }
+  if (qkv.scalar_type() == torch::kFloat32) {
+    rope_impl<float>(qkv, cos, sin, num_heads, head_dim);
+  } else {
+    rope_impl<c10::BFloat16>(qkv, cos, sin, num_heads, head_dim);
   }
 }
 
 // gate_up [T, 2I] -> silu(gate) * up [T, I]
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "silu_and_mul gate_up");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = torch::empty({T, I}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (T > 8)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* g = gp + t * stride;
-    const float* u = g + I;
-    float* o = op + t * I;
-    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32) {
+    silu_and_mul_impl<float>(gate_up, out);
+  } else {
+    silu_and_mul_impl<c10::BFloat16>(gate_up, out);
   }
   return out;
 }
