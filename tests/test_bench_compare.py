@@ -147,8 +147,8 @@ def test_variant_rows_share_their_engine_and_change_one_setting(tmp_path):
     env = PeerEnv("/venv/bin/python", "/venv/bin", str(tmp_path))
     cmd, _ = server_command(PEERS["kvserve-int8"], env, "", 8000, s)
     assert cmd[cmd.index("--quantization") + 1] == "int8" and cmd[cmd.index("--dtype") + 1] == "float32"
-    cmd, _ = server_command(PEERS["kvserve-auto"], env, "", 8000, s)
-    assert cmd[cmd.index("--dtype") + 1] == "auto"
+    cmd, _ = server_command(PEERS["kvserve-bf16"], env, "", 8000, s)
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
     cmd, _ = server_command(PEERS["vllm-bf16"], env, "/w/hf", 8000, s)
     assert cmd[0] == "/venv/bin/python" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
     assert PEERS["llamacpp-q8_0"].base == "llamacpp" and PEERS["llamacpp-q8_0"].weights == "q8_0_gguf"
@@ -168,7 +168,7 @@ def test_quantized_and_default_precision_targets():
                     "llamacpp-q8_0": _row(1.0, tpot=fast), "kvserve-gguf": _row(1.0, tpot=slow),
                     "llamacpp-q4_1": _row(1.0, tpot=fast)},
         "mixed": {"kvserve": _row(100.0), "kvserve-kv8": _row(96.0), "kvserve-int8": _row(120.0),
-                  "openvino-int8": _row(100.0), "kvserve-auto": _row(150.0), "vllm-bf16": _row(140.0),
+                  "openvino-int8": _row(100.0), "kvserve-bf16": _row(150.0), "vllm-bf16": _row(140.0),
                   "openvino-default": _row(160.0)}}}
     targets = {t["target"]: (round(t["value"], 3), t["met"]) for t in compare._targets(report)}
     assert targets == {
@@ -177,7 +177,7 @@ def test_quantized_and_default_precision_targets():
         "single-stream decode tok/s: kvserve-gguf >= 1.0x llamacpp-q4_1": (0.4, False),
         "mixed total tok/s: kvserve-int8 >= 1.0x openvino-int8": (1.2, True),
         "mixed total tok/s: kvserve-kv8 >= 0.95x kvserve": (0.96, True),
-        "mixed at default precisions: kvserve-auto >= 1.0x the best peer (openvino-default)": (0.938, False)}
+        "mixed at default precisions: kvserve-bf16 >= 1.0x the best peer (openvino-default)": (0.938, False)}
     one = [WorkloadRequest("a", [1, 2], 3)]
     report.update(machine={"cpu": "x", "cores": 2}, settings={"threads": 2, "max_num_batched_tokens": 512,
                                                              "kv_cache_gib": 2},

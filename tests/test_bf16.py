@@ -242,6 +242,7 @@ def test_bf16_without_native_support_warns_and_falls_back(monkeypatch, caplog):
         assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert "without AVX512_BF16" in caplog.text and "--dtype float32" in caplog.text
     assert resolve_dtype("auto", CPU) == torch.float32
+    assert resolve_dtype("auto", CPU, torch.bfloat16) == torch.float32  # no native bf16: fp32 is faster
     assert isinstance(default_method(CPU, torch.bfloat16), DenseMethod)   # oneDNN has no bf16 kernel there
     assert isinstance(default_method(CPU, torch.float32), (OneDNNPackedMethod, DenseMethod))
     caplog.clear()
@@ -258,10 +259,11 @@ def test_bf16_with_native_support_uses_onednn(monkeypatch, caplog):
         assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert not caplog.text
     assert isinstance(default_method(CPU, torch.bfloat16), OneDNNPackedMethod)
-    # auto stays float32 (bf16's 97.4% top-1 agreement is at the bar, README) and says bf16 is on offer
-    with caplog.at_level(logging.INFO, logger="kvserve.config.model"):
-        assert resolve_dtype("auto", CPU) == torch.float32
-    assert "--dtype bfloat16" in caplog.text
+    # auto follows the checkpoint: bf16/fp16 weights run in bf16 here, fp32 ones (and GGUF files) in fp32
+    assert resolve_dtype("auto", CPU, torch.bfloat16) == torch.bfloat16
+    assert resolve_dtype("auto", CPU, torch.float16) == torch.bfloat16
+    assert resolve_dtype("auto", CPU, torch.float32) == torch.float32
+    assert resolve_dtype("auto", CPU, None) == torch.float32
 
 
 # --------------------------------------------------------------------------- bench quality --dtype
@@ -290,3 +292,22 @@ def test_bench_quality_compares_bf16_with_a_float32_reference(tiny_llama, tmp_pa
     assert rows[0]["top1_agreement"] == 1.0
     # bf16 is not the float32 reference (it would agree everywhere with KL 0), yet close to it
     assert rows[1]["mean_kl"] > 0 and rows[1]["top1_agreement"] > 0.8
+
+
+def test_auto_dtype_follows_the_checkpoint(tiny_llama, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from kvserve.config.model import ModelConfig
+
+    monkeypatch.setattr(cpu_features, "native_bf16", lambda: True)
+    path, _ = tiny_llama
+    assert ModelConfig.resolve(path, "auto", CPU, None, 20).dtype == torch.float32   # saved in fp32
+    half = tmp_path / "bf16"
+    shutil.copytree(path, half)
+    cfg = json.loads((half / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    (half / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.resolve(str(half), "auto", CPU, None, 20).dtype == torch.bfloat16
+    assert ModelConfig.resolve(str(half), "float32", CPU, None, 20).dtype == torch.float32
+    assert ModelConfig.resolve(None, "auto", CPU, None, 20).dtype == torch.float32   # the built-in GGUF

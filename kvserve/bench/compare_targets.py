@@ -63,11 +63,11 @@ def targets(report: dict) -> list[dict]:
                     "met": ratio >= 1.5})
     for mine, theirs, workload, want in _QUANT:
         _ratio_target(out, report, mine, theirs, workload, want)
-    auto = _tps(report, "mixed", "kvserve-auto")
+    auto = _tps(report, "mixed", "kvserve-bf16")
     natives = [(n, t) for n in _DEFAULT_PRECISION_PEERS for t in [_tps(report, "mixed", n)] if t]
     if auto and natives:
         best, t = max(natives, key=lambda x: x[1])
-        out.append({"target": f"mixed at default precisions: kvserve-auto >= 1.0x the best peer ({best})",
+        out.append({"target": f"mixed at default precisions: kvserve-bf16 >= 1.0x the best peer ({best})",
                     "value": auto / t, "met": auto / t >= 1.0})
     if report.get("roofline"):
         frac = report["roofline"]["fraction"]

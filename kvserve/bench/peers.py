@@ -98,7 +98,8 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     _variant(_OPENVINO, "openvino-int4", weights="ov_ir_int4",
              notes="IR exported with --weight-format int4, f32 compute and KV cache"),
     # each engine's own default precision on this CPU
-    _variant(_KVSERVE, "kvserve-auto", dtype="auto", notes="`kvserve serve --dtype auto` (its default)"),
+    _variant(_KVSERVE, "kvserve-bf16", dtype="bfloat16",
+             notes="--dtype bfloat16: what --dtype auto picks here for SmolLM2's published (bf16) checkpoint"),
     _variant(_VLLM, "vllm-bf16", dtype="bfloat16", notes="`vllm serve --dtype bfloat16` (its CPU default)"),
     _variant(_OPENVINO, "openvino-default", precision="default",
              notes="fp32 IR, OpenVINO's own precision choice on this CPU (bf16 compute, u8 KV cache)"),
@@ -109,7 +110,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "fp32": ("kvserve", "kvserve-itl", "vllm", "openvino", "llamacpp", "transformers"),
     "quant": ("kvserve", "kvserve-int8", "kvserve-gguf", "kvserve-kv8", "llamacpp-q8_0", "llamacpp-q4_1",
               "openvino-int8", "openvino-int4"),
-    "default-precision": ("kvserve", "kvserve-auto", "vllm", "vllm-bf16", "openvino", "openvino-default"),
+    "default-precision": ("kvserve", "kvserve-bf16", "vllm", "vllm-bf16", "openvino", "openvino-default"),
 }
 PRESETS["all"] = tuple(PEERS)
 

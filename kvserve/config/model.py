@@ -42,22 +42,35 @@ class ModelConfig:
         source = ModelSource.resolve(model)
         hf_config = load_hf_config(source)
         architecture, _ = resolve_architecture(hf_config)
-        return cls(source, hf_config, architecture, resolve_dtype(dtype, device),
+        stored = checkpoint_dtype(hf_config) if source.kind == "hf" else None
+        return cls(source, hf_config, architecture, resolve_dtype(dtype, device, stored),
                    resolve_max_model_len(hf_config, max_model_len), max_logprobs, model or "SmolLM2-135M-Instruct")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def checkpoint_dtype(hf_config) -> torch.dtype | None:
+    """The dtype a Hugging Face checkpoint says its weights are stored in (config.json `torch_dtype`/`dtype`)."""
+    stored = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(stored, str):
+        stored = _DTYPES.get(stored.removeprefix("torch."))
+    return stored if isinstance(stored, torch.dtype) else None
+
+
+def resolve_dtype(name: str, device: torch.device, stored: torch.dtype | None = None) -> torch.dtype:
+    """`auto`, as vLLM's: the checkpoint's own precision, with half precision as bf16. On a CPU bf16 needs
+    AVX512_BF16 or AMX; `stored` None (a GGUF file, dequantized at load) or fp32 runs in fp32."""
     from kvserve.utils import cpu_features
 
     if name == "auto":
-        # NOTE: fp32 on every CPU. Without AVX512_BF16/AMX (the AVX2 CPUs we target) bf16 matmuls run under
-        # 1 GFLOP/s; with it, bf16 is faster but not chosen: `kvserve bench quality --dtype bfloat16` gives
-        # 97.4% top-1 agreement with fp32 (README, "bfloat16 on CPU"), at the bar, not clearly above it.
         if device.type == "cuda":
             return torch.bfloat16
-        if cpu_features.native_bf16():
-            logger.info("dtype auto: float32; this CPU has native bf16 (AVX512_BF16/AMX): --dtype bfloat16 "
-                        "halves weight and KV-cache bytes at 97%% top-1 agreement with float32")
+        # NOTE: on a CPU with native bf16, `kvserve bench quality --dtype bfloat16` gives 97.4% top-1 agreement
+        # with fp32 (README, "bfloat16 on CPU"): above the 97% bar int8 weights are held to, and 1.3-2x faster.
+        # Without AVX512_BF16/AMX (the AVX2 CPUs we also target) bf16 matmuls run under 1 GFLOP/s.
+        if stored in (torch.bfloat16, torch.float16) and cpu_features.native_bf16():
+            return torch.bfloat16
+        if stored in (torch.bfloat16, torch.float16):
+            logger.info("dtype auto: float32 for a %s checkpoint: this CPU has no native bf16 (AVX512_BF16/AMX)",
+                        stored)
         return torch.float32
     dtype = _DTYPES[name]
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_features.native_bf16():
