@@ -1,5 +1,5 @@
-"""Weight-only quantization (`--quantization int8 | int4 | gguf`): each format's quantize -> dequantize round
-trip against its reference formula (GGUF blocks against the gguf package's own dequantization); every
+"""Weight-only quantization (`--quantization int8 | int4 | gguf`, the int8 LM head): each format's quantize ->
+dequantize round trip against its reference formula (GGUF blocks against the gguf package's own dequantization); every
 quantized method's apply equals F.linear on its dequantized weight (1, 16 and 512 rows, with and without
 the C++ kernels); an int8 engine run gives the greedy tokens of the same engine on a checkpoint holding the
 dequantized weights, block invariants checked after every step; LoRA over an int8 base matches peft on the
@@ -55,6 +55,31 @@ def test_int8_round_trip_is_the_per_channel_symmetric_formula():
     deq = kernels.int8_dequantize(q, scales, w.shape[1])
     assert torch.equal(deq, q.float() * ref_scales)
     assert bool(((w - deq).abs() <= ref_scales / 2 + 1e-7).all())
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int8_group_round_trip_is_the_group_symmetric_formula(group, kernel_path):
+    torch.manual_seed(7)
+    w = torch.randn(48, 256) * torch.rand(48, 256 // group).repeat_interleave(group, 1)  # groups of different ranges
+    q, scales = quantize_int8(w, group)
+    g = w.reshape(48, -1, group)
+    ref_scales = g.abs().amax(-1) / 127
+    torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0)
+    ref_q = torch.round(g / ref_scales[..., None]).clamp(-127, 127).reshape(48, 256)
+    assert torch.equal(q.float(), ref_q)
+    step = ref_scales.repeat_interleave(group, 1)
+    ref = ref_q * step
+    assert bool(((w - ref).abs() <= step / 2 + 1e-7).all())
+    layer = _linear(w, Int8WeightOnlyMethod(group))
+    torch.testing.assert_close(layer.method.dequantized_weight(layer), ref, rtol=0, atol=0)
+    # Q8_0 is this format at group 32: requantizing Q8_0's own dequantized values finds its codes again
+    if group == 32:
+        blocks = gguf.quants.quantize(w.numpy(), Q.Q8_0)
+        exact = torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q8_0).reshape(48, 256))
+        q8, s8 = q8_0_blocks(GGUFWeight(blocks, Q.Q8_0, (48, 256)))
+        q2, s2 = quantize_int8(exact, 32)
+        assert torch.equal(q2, q8)
+        torch.testing.assert_close(s2, s8, rtol=2e-7, atol=0)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -117,7 +142,9 @@ def _linear(w: torch.Tensor, method, bias: torch.Tensor | None = None, loaded=No
 
 
 def _methods():
-    yield "int8", Int8WeightOnlyMethod(), None
+    yield "int8 per-channel", Int8WeightOnlyMethod(), None
+    for group in (32, 128):
+        yield f"int8 g{group}", Int8WeightOnlyMethod(group), None
     for group in (32, 64, 128):
         yield f"int4 g{group}", Int4WeightOnlyMethod(group), None
     for t in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
@@ -180,8 +207,9 @@ def _greedy(path: str, prompts, max_tokens: int = 12, **kwargs) -> list[list[int
     return [finished[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
-def _dequantized_copy(hf_model, method_factory):
-    """The HF model with every decoder linear weight replaced by the weight its quantized method computes with."""
+def _dequantized_copy(hf_model, method_factory, head: bool = True):
+    """The HF model with every decoder linear weight replaced by the weight its quantized method computes with,
+    and (head) the LM head by its int8 group-32 weight; a tied model comes back untied, the embedding as it was."""
     model = copy.deepcopy(hf_model)
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -189,6 +217,11 @@ def _dequantized_copy(hf_model, method_factory):
                 method = method_factory()
                 layer = _linear(module.weight.detach().clone(), method)
                 module.weight.copy_(method.dequantized_weight(layer))
+        if head:
+            method = Int8WeightOnlyMethod(32)
+            layer = _linear(model.lm_head.weight.detach().clone(), method)
+            model.config.tie_word_embeddings = False
+            model.lm_head.weight = torch.nn.Parameter(method.dequantized_weight(layer))
     return model
 
 
@@ -201,15 +234,30 @@ def _save(model, src_path: str, dst_path: str) -> str:
 
 
 @pytest.mark.parametrize("quantization,factory,extra", [
-    ("int8", Int8WeightOnlyMethod, {}),
+    ("int8", lambda: Int8WeightOnlyMethod(32), {}),
+    ("int8", Int8WeightOnlyMethod, {"quantization_group_size": -1, "quantize_lm_head": False}),
     ("int4", lambda: Int4WeightOnlyMethod(32), {"quantization_group_size": 32}),
 ])
 def test_quantized_engine_equals_the_dequantized_checkpoint(tiny_llama, tmp_path, quantization, factory, extra):
     path, hf_model = tiny_llama
     prompts = _prompts()
     quantized = _greedy(path, prompts, quantization=quantization, **extra)
-    ref_path = _save(_dequantized_copy(hf_model, factory), path, str(tmp_path / "dequantized"))
+    head = extra.get("quantize_lm_head", True)
+    ref_path = _save(_dequantized_copy(hf_model, factory, head), path, str(tmp_path / "dequantized"))
     assert quantized == _greedy(ref_path, prompts)
+
+
+def test_int8_head_of_a_tied_model_keeps_the_embedding_full_precision(tmp_path):
+    path = str(tmp_path / "tied")
+    hf_model = make_tiny_checkpoint(path, "llama", tie=True, seed=8)
+    engine = Engine(EngineArgs(model=path, quantization="int8", num_gpu_blocks_override=8))
+    model = engine.core.executor.worker.model
+    assert model.lm_head.qweight.dtype == torch.int8 and model.lm_head.weight.numel() == 0
+    torch.testing.assert_close(model.embed_tokens.weight, hf_model.model.embed_tokens.weight, rtol=0, atol=0)
+    del engine
+    prompts = _prompts(3, seed=2)
+    ref_path = _save(_dequantized_copy(hf_model, lambda: Int8WeightOnlyMethod(32)), path, str(tmp_path / "ref"))
+    assert _greedy(path, prompts, quantization="int8") == _greedy(ref_path, prompts)
 
 
 def test_lora_over_an_int8_base_matches_peft_on_the_dequantized_base(tmp_path):
@@ -218,7 +266,7 @@ def test_lora_over_an_int8_base_matches_peft_on_the_dequantized_base(tmp_path):
 
     base_path = str(tmp_path / "base")
     base = make_tiny_checkpoint(base_path, "llama", seed=5)
-    dequantized = _dequantized_copy(base, Int8WeightOnlyMethod)
+    dequantized = _dequantized_copy(base, lambda: Int8WeightOnlyMethod(32))
     torch.manual_seed(6)
     cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
                           init_lora_weights=False)
@@ -272,12 +320,25 @@ def test_int4_group_that_does_not_divide_a_layer_names_it(tiny_llama):
         Engine(EngineArgs(model=path, quantization="int4", num_gpu_blocks_override=8))
 
 
+def test_int8_group_that_does_not_divide_a_layer_names_it(tiny_llama):
+    path, _ = tiny_llama
+    with pytest.raises(ValueError, match=r"--quantization int8: group size 128 does not divide the input size 64 "
+                                         r"of layer layers\.0\.self_attn\.qkv_proj.*or -1"):
+        Engine(EngineArgs(model=path, quantization="int8", quantization_group_size=128, num_gpu_blocks_override=8))
+
+
 def test_bad_quantization_flags_are_value_errors(tiny_llama):
     path, _ = tiny_llama
     with pytest.raises(ValueError, match="unknown quantization 'fp3'"):
         EngineArgs(model=path, quantization="fp3")
     with pytest.raises(ValueError, match="quantization_group_size must be one of"):
         EngineArgs(model=path, quantization="int4", quantization_group_size=48)
+    with pytest.raises(ValueError, match="quantization_group_size must be one of"):
+        EngineArgs(model=path, quantization="int8", quantization_group_size=16)
+    with pytest.raises(ValueError, match=r"-1 \(one scale per output channel\) is for int8 only"):
+        EngineArgs(model=path, quantization="int4", quantization_group_size=-1)
+    with pytest.raises(ValueError, match="int8 group size must be one of"):
+        Int8WeightOnlyMethod(48)
     with pytest.raises(ValueError, match="--quantization gguf keeps a GGUF file's quantized blocks"):
         EngineArgs(model=path, quantization="gguf").create_engine_config()
     with pytest.raises(ValueError, match="int4 group size must be one of"):

@@ -4,6 +4,8 @@ One request at a time (greedy, `--output-len` tokens, EOS ignored, speculative d
 is one token) on the built-in SmolLM2 (or `--model`), for each `--quantization` setting, interleaved over
 `--repeats` rounds so a noisy neighbour hits every setting alike; the best round counts. Decode tok/s
 excludes the prefill: (output_len - 1) / (time of the whole request - time of a 1-token request).
+A setting is a `--quantization` value, optionally `:GROUP` (int8/int4's --quantization-group-size, -1: per
+channel) and `:fp32-head` (--no-quantize-lm-head), e.g. `none int8 int8:-1:fp32-head int4:64 gguf`.
 """
 from __future__ import annotations
 
@@ -16,12 +18,18 @@ from kvserve.sampling_params import SamplingParams
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def _settings(names: list[str], group_size: int) -> dict[str, dict]:
+def _settings(names: list[str]) -> dict[str, dict]:
     out = {}
     for name in names:
-        kwargs = {} if name == "none" else {"quantization": name}
-        if name == "int4":
-            kwargs["quantization_group_size"] = group_size
+        method, *options = name.split(":")
+        kwargs = {} if method == "none" else {"quantization": method}
+        for option in options:
+            if option == "fp32-head":
+                kwargs["quantize_lm_head"] = False
+            elif option.lstrip("-").isdigit():
+                kwargs["quantization_group_size"] = int(option)
+            else:
+                raise ValueError(f"setting {name!r}: {option!r} is neither a group size nor fp32-head")
         out[name] = kwargs
     return out
 
@@ -36,14 +44,17 @@ def _seconds(llm: LLM, max_tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the built-in SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--quantization", nargs="+", default=["none", "int8", "int4", "gguf"])
-    parser.add_argument("--quantization-group-size", type=int, default=64,
-                        help="int4's group (64: the largest that divides SmolLM2's 576)")
+    parser.add_argument("--quantization", nargs="+", default=["none", "int8", "int8:-1:fp32-head", "int4:64", "gguf"],
+                        help="settings: METHOD[:GROUP][:fp32-head] (int4:64: the largest group dividing SmolLM2's 576)")
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    try:
+        settings = _settings(args.quantization)
+    except ValueError as e:
+        parser.error(str(e))
     llms = {name: LLM(args.model, speculative_config=None, kv_cache_memory="256MiB", **kwargs)
-            for name, kwargs in _settings(args.quantization, args.quantization_group_size).items()}
+            for name, kwargs in settings.items()}
     best: dict[str, float] = {}
     for _ in range(args.repeats):
         for name, llm in llms.items():
@@ -52,9 +63,9 @@ def main() -> None:
             best[name] = max(best.get(name, 0.0), (args.output_len - 1) / decode)
     base = best.get("none")
     print(f"single-stream decode, {args.output_len} output tokens, best of {args.repeats}")
-    print(f"{'quantization':14s} {'tok/s':>8s} {'vs none':>8s}")
+    print(f"{'quantization':20s} {'tok/s':>8s} {'vs none':>8s}")
     for name, tok_s in best.items():
-        print(f"{name:14s} {tok_s:8.1f} {tok_s / base if base else float('nan'):7.2f}x")
+        print(f"{name:20s} {tok_s:8.1f} {tok_s / base if base else float('nan'):7.2f}x")
 
 
 if __name__ == "__main__":

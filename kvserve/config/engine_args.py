@@ -51,14 +51,19 @@ class EngineArgs:
                 "name)",
         "choices": _ATTENTION_BACKENDS})
     quantization: str | None = field(default=None, metadata={
-        "help": "weight-only quantization of the decoder layers' linear weights (embedding and LM head stay full "
-                "precision; activations float32): int8 (per-output-channel), int4 (group-wise, see "
-                "--quantization-group-size), gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored); default: none "
-                "(a quantized GGUF file is dequantized to --dtype)",
+        "help": "weight-only quantization of the decoder layers' linear weights (activations float32): int8 "
+                "(symmetric, a scale per --quantization-group-size inputs), int4 (group-wise min and scale), gguf "
+                "(a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored); the LM head then runs int8 (see "
+                "--quantize-lm-head), the embedding stays full precision; default: none (a quantized GGUF file is "
+                "dequantized to --dtype)",
         "choices": ("int8", "int4", "gguf")})
-    quantization_group_size: int = field(default=128, metadata={
-        "help": "int4: input columns per scale/min group, 32, 64 or 128; must divide every layer's input size "
-                "(the built-in SmolLM2's 576: 32 or 64)"})
+    quantization_group_size: int | None = field(default=None, metadata={
+        "help": "int8 / int4: input columns per scale group, 32, 64 or 128 (must divide every layer's input "
+                "size: the built-in SmolLM2's 576 takes 32 or 64), or -1 for one scale per output channel "
+                "(int8 only); default: 32 for int8, 128 for int4"})
+    quantize_lm_head: bool = field(default=True, metadata={
+        "help": "with --quantization, run the LM head in int8 with a scale per 32 inputs (GGUF's Q8_0; it is "
+                "read every decode step); --no-quantize-lm-head keeps it in --dtype"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: str = field(default="2GiB", metadata={
         "help": "KV-cache pool size on CPU, e.g. 2GiB or 512MiB"})
@@ -157,7 +162,7 @@ class EngineArgs:
         return parallel
 
     def _quantization_config(self) -> QuantizationConfig:
-        return QuantizationConfig(self.quantization, self.quantization_group_size)
+        return QuantizationConfig(self.quantization, self.quantization_group_size, self.quantize_lm_head)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

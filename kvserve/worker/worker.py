@@ -23,7 +23,7 @@ from kvserve.kv_cache.quant import SCALE_DTYPE, dtype_name, is_quantized, resolv
 from kvserve.layers.linear_methods import default_method
 from kvserve.layers.lora import LoRABatch, LoRAMethod
 from kvserve.layers.parallel import ShardContext
-from kvserve.layers.quant import check_layers, make_linear_method, weight_bytes
+from kvserve.layers.quant import check_layers, make_head_method, make_linear_method, weight_bytes
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.dummy import initialize_dummy_weights
 from kvserve.models.layer_ops import load_fused_layer_ops
@@ -80,13 +80,14 @@ class Worker:
         dense = default_method(self.device, mc.dtype)
         # NOTE: only the target model is quantized (a draft model is small, and its proposals are verified).
         quant = self.config.quantization if mc is self.config.model else QuantizationConfig()
-        method = make_linear_method(quant.method, quant.group_size, dense)
+        method = make_linear_method(quant.method, quant.group, dense)
+        head = make_head_method(quant, mc.hf_config.hidden_size, dense)
         if lora_batch is not None:
             lora = self.config.lora
             method = LoRAMethod(method, lora_batch, lora.max_loras, lora.max_lora_rank)
         model = build_model(mc.hf_config, self.backend, mc.max_model_len, mc.dtype, self.device, method, shard,
-                            head_method=dense)
-        check_layers(model, quant.method, quant.group_size)
+                            head_method=head)
+        check_layers(model, quant.method, quant.group)
         loaded_bytes = weight_bytes(model)
         if self.config.load.load_format == "dummy":
             initialize_dummy_weights(model, self.config.seed)
@@ -98,9 +99,10 @@ class Worker:
         if mc is self.config.model:
             held = weight_bytes(model)
             logger.info("quantization: %s; weights %d bytes (%.1f MiB) in %s -> %d bytes (%.1f MiB) held "
-                        "(linear layers%s; embedding and LM head in %s)", quant.describe(), loaded_bytes,
+                        "(linear layers%s; LM head %s; embedding in %s)", quant.describe(), loaded_bytes,
                         loaded_bytes / 2**20, str(mc.dtype).removeprefix("torch."), held, held / 2**20,
                         f" {quant.describe()}" if quant.method else f" {dense.name}",
+                        "int8 (group 32)" if head is not dense else str(mc.dtype).removeprefix("torch."),
                         str(mc.dtype).removeprefix("torch."))
             if shard.size > 1:
                 logger.info("tensor parallel rank %d of %d holds %d bytes (%.1f MiB) of weights: its shard",

@@ -1,16 +1,17 @@
 """Weight-only quantized linear methods (`--quantization int8 | int4 | gguf`).
 
-Only the decoder layers' projections (qkv, o, gate/up, down) are quantized. The token embedding and the LM
-head stay in full precision: the embedding is a lookup (one row per token: its bytes are never read in
-bulk), and the LM head decides the next token directly, where a weight error is not averaged away by later
-layers (vLLM's quantization methods leave lm_head unquantized by default; llama.cpp gives output.weight more
-bits than the other tensors). Activations stay float32.
+The decoder layers' projections (qkv, o, gate/up, down) run the chosen method. The LM head runs int8 with a
+scale per 32 inputs (GGUF's Q8_0, the type llama.cpp stores the output matrix in) unless
+`--no-quantize-lm-head`: it is read in full every decode step, and in float32 SmolLM2's tied 49152 x 576
+head is as many bytes as all its int8 decoder layers (README, Quantization, has its quality cost). The token
+embedding stays in full precision: it is a lookup (one row per token: its bytes are never read in bulk), so
+a tied head holds its own int8 copy beside it. Activations stay float32.
 """
 from __future__ import annotations
 
 from torch import nn
 
-from kvserve.config.quantization import QUANTIZATIONS
+from kvserve.config.quantization import LM_HEAD_GROUP_SIZE, PER_CHANNEL, QUANTIZATIONS, QuantizationConfig
 from kvserve.layers.linear_methods import LinearMethod
 
 
@@ -20,7 +21,7 @@ def make_linear_method(quantization: str | None, group_size: int, dense: LinearM
         return dense
     if quantization == "int8":
         from kvserve.layers.quant.int8 import Int8WeightOnlyMethod
-        return Int8WeightOnlyMethod()
+        return Int8WeightOnlyMethod(group_size)
     if quantization == "int4":
         from kvserve.layers.quant.int4 import Int4WeightOnlyMethod
         return Int4WeightOnlyMethod(group_size)
@@ -30,16 +31,25 @@ def make_linear_method(quantization: str | None, group_size: int, dense: LinearM
     raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
 
 
+def make_head_method(quant: QuantizationConfig, hidden_size: int, dense: LinearMethod) -> LinearMethod:
+    """The LM head's method: int8 group LM_HEAD_GROUP_SIZE under a quantization (unless quant.lm_head is off or
+    the group does not divide the hidden size: then `dense`, which the start-up log shows)."""
+    if quant.method is None or not quant.lm_head or hidden_size % LM_HEAD_GROUP_SIZE:
+        return dense
+    from kvserve.layers.quant.int8 import Int8WeightOnlyMethod
+    return Int8WeightOnlyMethod(LM_HEAD_GROUP_SIZE)
+
+
 def check_layers(model: nn.Module, quantization: str | None, group_size: int) -> None:
     """Refuse, before any weight is read, a quantization that a layer's shape cannot take (names the layer)."""
-    if quantization != "int4":
+    if quantization not in ("int4", "int8") or group_size == PER_CHANNEL:
         return
     from kvserve.layers.linear import LinearBase
-    from kvserve.layers.quant.int4 import check_group_size
+    from kvserve.layers.quant.common import check_group_size
 
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and name != "lm_head":
-            check_group_size(module, group_size, name)
+            check_group_size(module, group_size, name, quantization)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -13,7 +13,7 @@ from torch import nn
 
 from kvserve.config.quantization import INT4_GROUP_SIZES
 from kvserve.layers.quant import kernels
-from kvserve.layers.quant.common import drop_dense_weight, pack_nibbles
+from kvserve.layers.quant.common import check_group_size, drop_dense_weight, pack_nibbles
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -24,14 +24,6 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     scales = ((hi - lo) / 15.0).clamp(min=1e-12)
     q = torch.clamp(torch.round((w - lo[..., None]) / scales[..., None]), 0, 15).to(torch.uint8)
     return q.reshape(n, k), scales, lo
-
-
-def check_group_size(layer: nn.Module, group_size: int, layer_name: str) -> None:
-    """Refuse, at start-up, a layer whose input size the group does not divide."""
-    if layer.input_size % group_size:
-        raise ValueError(f"--quantization int4: group size {group_size} does not divide the input size "
-                         f"{layer.input_size} of layer {layer_name} ([{layer.output_size}, {layer.input_size}]); "
-                         f"choose a --quantization-group-size from {INT4_GROUP_SIZES} that divides it")
 
 
 class Int4WeightOnlyMethod:
@@ -45,7 +37,7 @@ class Int4WeightOnlyMethod:
         self.group_size = group_size
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        check_group_size(layer, self.group_size, getattr(layer, "prefix", type(layer).__name__))
+        check_group_size(layer, self.group_size, getattr(layer, "prefix", type(layer).__name__), "int4")
         q, layer.scales, layer.mins = quantize_int4(layer.weight, self.group_size)  # [out, in/group] each
         layer.qweight = pack_nibbles(q)                                      # [out, in / 2] uint8
         layer.group_size = self.group_size
