@@ -149,11 +149,7 @@ class EngineArgs:
         self._parallel_config()
 
     def _parallel_config(self) -> ParallelConfig:
-        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
-        if parallel.tensor_parallel_size > 1 and self.enable_lora:
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet (adapter slots "
-                             "are not sharded)")
-        return parallel
+        return ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
 
     def _quantization_config(self) -> QuantizationConfig:
         return QuantizationConfig(self.quantization, self.quantization_group_size)
