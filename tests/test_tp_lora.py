@@ -1,6 +1,6 @@
 """LoRA under tensor parallelism (gloo, 2 ranks on CPU): adapter weights sharded like the layers they modify
 give the same greedy tokens and log-probabilities as one rank, in one batch mixing the base model and two
-adapters that between them adapt every module (q, k, v, o, gate, up, down; one with rsLoRA)."""
+adapters that between them adapt every module (q, k, v, o, gate, up, down; one with rsLoRA), with two slots and with one (adapters swapped)."""
 from __future__ import annotations
 
 import pytest
@@ -45,15 +45,19 @@ def _run(engine: Engine, requests: dict) -> dict:
     return done
 
 
-def test_tp2_lora_matches_tp1_on_a_mixed_batch(setup):
+@pytest.mark.parametrize("max_loras", [2, 1])
+def test_tp2_lora_matches_tp1_on_a_mixed_batch(setup, max_loras):
     path, requests = setup
-    ref = _run(Engine(EngineArgs(model=path, **_ARGS)), requests)
-    engine = Engine(EngineArgs(model=path, tensor_parallel_size=2, **_ARGS))
+    args = {**_ARGS, "max_loras": max_loras}  # 1 slot: the two adapters take turns (followers swap too)
+    ref = _run(Engine(EngineArgs(model=path, **args)), requests)
+    engine = Engine(EngineArgs(model=path, tensor_parallel_size=2, **args))
     try:
         out = _run(engine, requests)
         driver = engine.core.executor.worker
         qkv = driver.model.layers[0].self_attn.qkv_proj
         assert qkv.tp_size == 2 and qkv.lora_b.shape[-1] == qkv.output_size  # B holds this rank's outputs only
+        if max_loras == 1:
+            assert driver.lora.num_slot_loads > 2  # swapped back and forth
     finally:
         engine.core.executor.shutdown()
     assert out.keys() == ref.keys()
