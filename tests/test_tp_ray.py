@@ -67,3 +67,11 @@ def test_a_killed_actor_ends_the_engine_with_an_error(tiny_llama):
     finally:
         llm.shutdown()
     assert not torch.distributed.is_initialized() and not ray.is_initialized()
+
+
+def test_an_actor_that_fails_to_load_is_reported(tiny_llama):
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(Ray actor\) failed to load its shard: ValueError: the "
+                                                  r"KV-cache budget"):
+        LLM(tiny_llama[0], tensor_parallel_size=2, distributed_executor_backend="ray", kv_cache_memory="1KiB",
+            num_threads=1)
+    assert not torch.distributed.is_initialized() and not ray.is_initialized()
