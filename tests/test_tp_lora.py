@@ -1,6 +1,6 @@
 """LoRA under tensor parallelism (gloo, 2 ranks on CPU): adapter weights sharded like the layers they modify
 give the same greedy tokens and log-probabilities as one rank, in one batch mixing the base model and two
-adapters that between them adapt every module (q, k, v, o, gate, up, down; one with rsLoRA), with two slots and with one (adapters swapped)."""
+adapters that between them adapt every module (q, k, v, o, gate, up, down; one with rsLoRA), with two slots and with one (adapters swapped), on the mp and (when installed) Ray backends."""
 from __future__ import annotations
 
 import pytest
@@ -45,12 +45,14 @@ def _run(engine: Engine, requests: dict) -> dict:
     return done
 
 
-@pytest.mark.parametrize("max_loras", [2, 1])
-def test_tp2_lora_matches_tp1_on_a_mixed_batch(setup, max_loras):
+@pytest.mark.parametrize("max_loras, backend", [(2, "mp"), (1, "mp"), pytest.param(2, "ray", marks=pytest.mark.ray)])
+def test_tp2_lora_matches_tp1_on_a_mixed_batch(setup, max_loras, backend):
+    if backend == "ray":
+        pytest.importorskip("ray")
     path, requests = setup
     args = {**_ARGS, "max_loras": max_loras}  # 1 slot: the two adapters take turns (followers swap too)
     ref = _run(Engine(EngineArgs(model=path, **args)), requests)
-    engine = Engine(EngineArgs(model=path, tensor_parallel_size=2, **args))
+    engine = Engine(EngineArgs(model=path, tensor_parallel_size=2, distributed_executor_backend=backend, **args))
     try:
         out = _run(engine, requests)
         driver = engine.core.executor.worker
