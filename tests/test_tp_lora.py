@@ -1,6 +1,7 @@
 """LoRA under tensor parallelism (gloo, 2 ranks on CPU): adapter weights sharded like the layers they modify
 give the same greedy tokens and log-probabilities as one rank, in one batch mixing the base model and two
-adapters that between them adapt every module (q, k, v, o, gate, up, down; one with rsLoRA), with two slots and with one (adapters swapped), on the mp and (when installed) Ray backends."""
+adapters that between them adapt every module (q, k, v, o, gate, up, down; one with rsLoRA), with two slots
+and with one (adapters swapped), on the mp and (when installed) Ray backends."""
 from __future__ import annotations
 
 import pytest

@@ -5,8 +5,9 @@ ray`), on this machine or a Ray cluster's nodes. Everything else is as with the 
 a TCPStore on the driver's node IP.
 
 Placement: one placement-group bundle per rank (PACK: as few nodes as possible), bundle r for rank r;
-bundle 0 reserves the driver's share. Ray is joined where one runs (`RAY_ADDRESS`, or `address="auto"`
-finding a started cluster); otherwise a local instance is started and shut down again with the engine.
+bundle 0 reserves the driver's share on the driver's node. Ray is joined where one runs (`RAY_ADDRESS`,
+or `address="auto"` finding a started cluster); otherwise a local instance is started and shut down again
+with the engine.
 
 Failures: an actor that raises while loading is reported with its error; one that dies mid-run breaks the
 next collective, and execute_model raises a TensorParallelError naming the rank. Shutdown sends the stop
@@ -108,13 +109,16 @@ class RayExecutor:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
-            pg = self._state["pg"] = placement_group([dict(bundle) for _ in range(self.size)], strategy="PACK")
+            host = ray.util.get_node_ip_address()
+            # NOTE: bundle 0 is the driver's: pinned to this node (Ray's per-node resource), so PACK fills
+            # this node first and a GPU reserved for rank 0 is the one it uses
+            bundles = [{**bundle, f"node:{host}": 0.001}] + [dict(bundle) for _ in range(1, self.size)]
+            pg = self._state["pg"] = placement_group(bundles, strategy="PACK")
             try:
                 ray.get(pg.ready(), timeout=timeout)
             except ray.exceptions.GetTimeoutError:
                 raise TensorParallelError(f"Ray could not place {self.size} bundles of {bundle} within "
                                           f"{timeout:.0f} s (ray status shows the cluster's resources)") from None
-            host = ray.util.get_node_ip_address()
             self._store = dist.TCPStore(host, 0, self.size, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=timeout))
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
