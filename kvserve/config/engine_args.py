@@ -128,8 +128,9 @@ class EngineArgs:
         "help": "ranks to shard the model over (Megatron-style; must divide the attention heads): each rank holds "
                 "its shard of the weights and of the KV cache; gloo on CPU, NCCL on CUDA"})
     distributed_executor_backend: str = field(default="mp", metadata={
-        "help": "how the ranks start: mp (worker processes on this machine) or external_launcher (every rank "
-                "started by torchrun, on one host or several); ray is not implemented yet",
+        "help": "how the ranks start: mp (worker processes on this machine), ray (Ray actors, on this machine "
+                "or a Ray cluster's nodes; needs kvserve[ray]) or external_launcher (every rank started by "
+                "torchrun, on one host or several)",
         "choices": DISTRIBUTED_EXECUTOR_BACKENDS})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})
@@ -155,11 +156,7 @@ class EngineArgs:
         self._parallel_config()
 
     def _parallel_config(self) -> ParallelConfig:
-        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
-        if parallel.tensor_parallel_size > 1 and self.enable_lora:
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet (adapter slots "
-                             "are not sharded)")
-        return parallel
+        return ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
 
     def _quantization_config(self) -> QuantizationConfig:
         return QuantizationConfig(self.quantization, self.quantization_group_size, self.quantize_lm_head)

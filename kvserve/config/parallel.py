@@ -1,6 +1,7 @@
 """ParallelConfig: how the model is split across processes (Megatron tensor parallelism, docs/PARALLELISM.md)."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "external_launcher")
@@ -11,8 +12,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Ranks each layer's weights are sharded over (Megatron-style)."""
     distributed_executor_backend: str = "mp"
-    """How the ranks other than the driver (rank 0) start: mp (processes on this machine), ray (Ray actors;
-    not implemented yet), external_launcher (every rank started by torchrun, which sets RANK, WORLD_SIZE,
+    """How the ranks other than the driver (rank 0) start: mp (processes on this machine), ray (Ray actors in
+    a placement group, on this machine or a Ray cluster's nodes; the optional extra kvserve[ray]),
+    external_launcher (every rank started by torchrun, which sets RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT)."""
     start_timeout_s: float = 600.0
     """How long the driver waits for a worker to join and load its shard before giving up."""
@@ -24,9 +26,10 @@ class ParallelConfig:
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "ray":
-            raise ValueError("distributed_executor_backend 'ray' is not implemented yet: use mp (one machine) "
-                             "or external_launcher (torchrun, several machines; docs/PARALLELISM.md)")
+        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1 \
+                and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend 'ray' needs Ray, which is not installed: "
+                             "pip install 'kvserve[ray]' (or use mp on one machine)")
 
     def check_model(self, hf_config) -> None:
         """Refuse a model whose shapes this many ranks cannot split (a clear error at start-up, not a shape

@@ -84,6 +84,22 @@ def lora_output_slices(layer: nn.Module) -> list[tuple[str, int, int]] | None:
     return None
 
 
+def lora_rank_shard(layer: nn.Module, module_index: int, a: torch.Tensor,
+                    b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of one checkpoint module's A [r, in] and B [out, r], sharded like the base weight:
+    a column-parallel layer keeps A whole and B's rows of its outputs (per fused part; a replicated KV head
+    takes its head's rows); a row-parallel layer keeps A's columns of its inputs and B whole, so its delta
+    is a partial sum that the layer's all-reduce adds up with the base output's, once."""
+    if layer.tp_size == 1:
+        return a, b
+    if isinstance(layer, RowParallelLinear):
+        return a.narrow(1, layer.tp_rank * layer.input_size, layer.input_size), b
+    _, _, size = layer.lora_slices[module_index]
+    if isinstance(layer, QKVParallelLinear) and module_index > 0:
+        return a, b.narrow(0, layer.kv_head_start * layer.head_dim, size)
+    return a, b.narrow(0, layer.tp_rank * size, size)
+
+
 class LoRAMethod:
     """Wraps a base LinearMethod (dense or prepacked: its weights are untouched). Layers it cannot adapt
     (the LM head) get no slot tensors and run the base method alone."""
@@ -101,8 +117,6 @@ class LoRAMethod:
         slices = lora_output_slices(layer)
         if slices is None:
             return
-        if layer.tp_size != 1:
-            raise ValueError("LoRA with tensor parallelism is not supported yet (slot tensors are unsharded)")
         rank = len(slices) * self.max_lora_rank
         w = layer.weight
         layer.lora_slices = slices

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvserve.config.lora import LoRAConfig
-from kvserve.layers.lora import LoRABatch
+from kvserve.layers.lora import LoRABatch, lora_rank_shard
 from kvserve.lora.adapter import LoRAAdapter, load_adapter
 from kvserve.lora.request import LoRARequest
 
@@ -69,6 +69,23 @@ class LoRAManager:
             self._resident[lora_id] = slot
         return {lora_id: self._resident[lora_id] for lora_id in requests}
 
+    def assign(self, slots: dict[int, LoRARequest]) -> None:
+        """A follower rank: put the driver's choice of adapter into each slot (loading this rank's shard of
+        it where the slot holds another), so the activate of the step that follows finds them resident and
+        decides nothing of its own."""
+        for slot, request in slots.items():
+            lora_id = request.lora_int_id
+            if self._resident.get(lora_id) == slot:
+                self._resident.move_to_end(lora_id)
+                continue
+            self._resident.pop(lora_id, None)
+            old = self._slot_ids[slot]
+            if old is not None:
+                self._resident.pop(old, None)
+            self._load_slot(slot, self._adapter(request))
+            self._slot_ids[slot] = lora_id
+            self._resident[lora_id] = slot
+
     def _free_slot(self, needed: dict[int, LoRARequest]) -> int:
         if None in self._slot_ids:
             return self._slot_ids.index(None)
@@ -100,7 +117,7 @@ class LoRAManager:
                 weights = adapter.weights.get((layer_idx, module))
                 if weights is None:
                     continue
-                a, b = weights                                                # [r, in], [out, r]
+                a, b = lora_rank_shard(layer, j, *weights)    # this rank's [r, in], [out, r]
                 col = j * max_rank
                 layer.lora_a[slot, :, col:col + r] = a.t().to(self.device)
                 layer.lora_b[slot, col:col + r, start:start + size] = (b * adapter.scaling).t().to(self.device)

@@ -34,5 +34,8 @@ def make_executor(config: EngineConfig):
     if config.parallel.distributed_executor_backend == "external_launcher":
         from kvserve.worker.tp_launcher import ExternalLauncherExecutor
         return ExternalLauncherExecutor(config)
+    if config.parallel.distributed_executor_backend == "ray":
+        from kvserve.worker.tp_ray import RayExecutor
+        return RayExecutor(config)
     from kvserve.worker.tp_executor import MultiprocExecutor
     return MultiprocExecutor(config)

@@ -31,7 +31,7 @@ from kvserve.distributed.comm import TPGroup
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.worker.runner_output import ModelRunnerOutput
-from kvserve.worker.tp_worker import StepMessage, WorkerSpec, hello_key, ready_key
+from kvserve.worker.tp_worker import StepMessage, WorkerSpec, driver_lora_slots, hello_key, ready_key
 from kvserve.worker.worker import Worker
 
 logger = logging.getLogger("kvserve")
@@ -116,7 +116,7 @@ class MultiprocExecutor:
         # NOTE: the grammar bitmask is read by the sampler alone, which runs here
         shared = out if out.grammar_bitmask is None else dataclasses.replace(
             out, grammar_bitmask=None, structured_output_request_ids={})
-        msg = StepMessage(shared, self._sampled)
+        msg = StepMessage(shared, self._sampled, driver_lora_slots(self.worker, out))
         self._collective(lambda: self.group.broadcast_object(msg))
         self.group.stats.steps += 1
         result = self._collective(lambda: self.worker.execute_model(out))

@@ -21,7 +21,7 @@ from kvserve.distributed.comm import TPGroup
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.worker.runner_output import ModelRunnerOutput
-from kvserve.worker.tp_worker import StepMessage, follow, rank_config
+from kvserve.worker.tp_worker import StepMessage, driver_lora_slots, follow, rank_config
 from kvserve.worker.worker import Worker
 
 logger = logging.getLogger("kvserve")
@@ -64,7 +64,7 @@ class ExternalLauncherExecutor:
         return self.worker.init_kv_cache(num_blocks)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self.group.broadcast_object(StepMessage(out, self._sampled))
+        self.group.broadcast_object(StepMessage(out, self._sampled, driver_lora_slots(self.worker, out)))
         self.group.stats.steps += 1
         result = self.worker.execute_model(out)
         self._sampled = dict(zip(result.req_ids, result.sampled_token_ids))

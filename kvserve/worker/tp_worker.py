@@ -42,6 +42,24 @@ class StepMessage:
 
     sched_out: SchedulerOutput
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    lora_slots: dict = field(default_factory=dict)
+    """enable_lora: slot -> LoRARequest of this step's adapters, as the driver's manager placed them (each
+    rank loads its own shard of an adapter from its path)."""
+
+
+def driver_lora_slots(worker, out: SchedulerOutput) -> dict:
+    """The driver, before it broadcasts a step: make the step's adapters resident in its own slots (the
+    choice its runner's activate would make next, which then finds them there) and say where they went."""
+    if worker.lora is None or out.is_empty:
+        return {}
+    known = worker.runner.requests
+    new = {r.req_id: r.lora_request for r in out.scheduled_new_reqs}
+    adapters = {}
+    for req_id in out.num_scheduled_tokens:
+        lora = new[req_id] if req_id in new else known[req_id].lora_request
+        if lora is not None:
+            adapters[lora.lora_int_id] = lora
+    return {slot: adapters[lora_id] for lora_id, slot in worker.lora.activate(adapters).items()}
 
 
 def rank_config(config: EngineConfig, local_rank: int) -> EngineConfig:
@@ -76,6 +94,8 @@ def follow(group, worker) -> None:
         if msg is None:
             return
         runner.append_sampled(msg.sampled)
+        if msg.lora_slots:
+            worker.lora.assign(msg.lora_slots)
         worker.execute_model(msg.sched_out)
 
 
