@@ -26,6 +26,9 @@ _BENCH = {
     "steps": ("kvserve.bench.steps", "time each engine step of a workload, by kind of step (where time goes)"),
     "soak": ("kvserve.bench.soak", "a fault soak: random, partly hostile traffic for M minutes, then leak checks"),
     "compare": ("kvserve.bench.compare", "kvserve vs vLLM CPU, OpenVINO GenAI, llama.cpp, transformers, same run"),
+    "itl": ("kvserve.bench.itl", "the latency-aware step budget vs the fixed one (interference ITL, mixed tok/s), same run"),
+    "sweep": ("kvserve.bench.sweep", "a server at several Poisson request rates: throughput vs latency, JSON and a PNG plot"),
+    "sweep-plot": ("kvserve.bench.sweep_plot", "one serving-curve PNG from several `bench sweep` JSON files"),
 }
 
 
