@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", default=None,
                         help="comma-separated --target-itl-ms values to compare (default: the engine's "
                              "--target-itl-ms, then 0)")
+    parser.add_argument("--mixed-requests", type=int, default=None,
+                        help="run only the first N requests of mixed (a quicker, rougher check; default: all)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
 
@@ -93,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
         if not targets or any(t < 0 for t in targets):
             raise ValueError(f"--targets must be numbers >= 0, got {args.targets!r}")
     interference = load_workload(os.path.join(args.workload_dir, "interference.jsonl"))
-    mixed = load_workload(os.path.join(args.workload_dir, "mixed.jsonl"))
+    if args.mixed_requests is not None and args.mixed_requests < 1:
+        raise ValueError(f"--mixed-requests must be >= 1, got {args.mixed_requests}")
+    mixed = load_workload(os.path.join(args.workload_dir, "mixed.jsonl"), args.mixed_requests)
     results = []
     for target in targets:
         results.append(measure(dataclasses.replace(base, target_itl_ms=target), interference, mixed))
