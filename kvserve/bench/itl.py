@@ -19,6 +19,7 @@ import time
 
 from kvserve.bench.serve import _stats
 from kvserve.bench.workload import WorkloadRequest, load_workload
+from kvserve.cli.standalone import standalone_main
 from kvserve.config import EngineArgs
 
 
@@ -117,3 +118,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results, indent=2))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvserve.bench.itl`: the same as `kvserve bench itl`."""
+    return standalone_main("kvserve bench itl", __doc__.splitlines()[0], add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
