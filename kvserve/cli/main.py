@@ -27,6 +27,9 @@ _BENCH = {
     "soak": ("kvserve.bench.soak", "a fault soak: random, partly hostile traffic for M minutes, then leak checks"),
     "tp": ("kvserve.bench.tp", "tensor parallelism: TP=N vs TP=1 throughput, bytes each rank sends, and the all-reduce cost model"),
     "compare": ("kvserve.bench.compare", "kvserve vs vLLM CPU, OpenVINO GenAI, llama.cpp, transformers, same run"),
+    "itl": ("kvserve.bench.itl", "the latency-aware step budget vs the fixed one (interference ITL, mixed tok/s), same run"),
+    "sweep": ("kvserve.bench.sweep", "a server at several Poisson request rates: throughput vs latency, JSON and a PNG plot"),
+    "sweep-plot": ("kvserve.bench.sweep_plot", "one serving-curve PNG from several `bench sweep` JSON files"),
 }
 
 

@@ -31,6 +31,9 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # on the shared workloads; see README "Speculative decoding").
 DEFAULT_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                               '"prompt_lookup_max": 5}')
+# NOTE: off until measured on a quiet machine: see README "Latency-aware step budget" (the intended default
+# is 150: 16 SmolLM2 decodes take ~55 ms a step on this 2-core box; one contended run lost mixed throughput).
+DEFAULT_TARGET_ITL_MS = 0.0
 _ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "torch_sdpa", "triton_paged")
 
 
@@ -85,6 +88,11 @@ class EngineArgs:
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "while other requests decode, compute at most this many prompt tokens of one request per "
                 "step, to bound their inter-token latency (0: no cap)"})
+    target_itl_ms: float = field(default=DEFAULT_TARGET_ITL_MS, metadata={
+        "help": "latency-aware step budget: in a step that also decodes, size prompt chunks so the step's "
+                "predicted time (a cost model fitted online to measured steps) stays within this many ms, or "
+                "twice the decodes' own time where that is longer; prompt-only steps still take the whole "
+                "--max-num-batched-tokens (0: off, the fixed token budget alone)"})
     enable_chunked_prefill: bool = field(default=True, metadata={
         "help": "split long prompts over several steps so decodes keep flowing"})
     enable_prefix_caching: bool = field(default=True, metadata={
@@ -176,7 +184,7 @@ class EngineArgs:
         if not self.enable_chunked_prefill:
             batched = max(batched, max_model_len)  # a whole prompt must fit one step
         return SchedulerConfig(self.max_num_seqs, batched, max_model_len, self.enable_chunked_prefill,
-                               self.scheduling_policy, self.long_prefill_token_threshold)
+                               self.scheduling_policy, self.long_prefill_token_threshold, self.target_itl_ms)
 
     def default_sampling(self) -> dict:
         """SamplingParams defaults for the fields a request leaves unset (see config/generation.py)."""

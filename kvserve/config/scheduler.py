@@ -20,6 +20,9 @@ class SchedulerConfig:
     """fcfs, or lpm: longest cached prefix first (bounded: see WaitingOrder)."""
     long_prefill_token_threshold: int = 0
     """In a step that also decodes, no request computes more than this many prompt tokens (0: no cap)."""
+    target_itl_ms: float = 0.0
+    """In a step that also decodes, prompt chunks are sized so the step's predicted time stays within this
+    (scheduler/step_cost.py); 0: off, the token budget alone (EngineArgs turns it on by default)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -28,5 +31,7 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if not self.target_itl_ms >= 0:
+            raise ValueError(f"target_itl_ms must be >= 0, got {self.target_itl_ms}")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")

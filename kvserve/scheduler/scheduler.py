@@ -18,6 +18,7 @@ from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.scheduler.policy import WaitingOrder
+from kvserve.scheduler.step_cost import LatencyBudget, OnlineStepCost, StepCost, StepFeatures
 from kvserve.spec_decode.policy import DraftLengthPolicy
 from kvserve.structured_output.manager import StructuredOutputManager
 from kvserve.worker.runner_output import ModelRunnerOutput
@@ -39,8 +40,11 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
                  spec_policy: DraftLengthPolicy | None = None, spec_lookahead: bool = False,
-                 max_loras: int | None = None, structured: StructuredOutputManager | None = None):
+                 max_loras: int | None = None, structured: StructuredOutputManager | None = None,
+                 step_cost: StepCost | None = None):
         self.config = config
+        self.step_cost = step_cost if step_cost is not None else OnlineStepCost()
+        """Predicted step time (config.target_itl_ms sizes prompt chunks by it), fitted in update()."""
         self.structured = structured
         """Grammars of structured-output requests (compiles, matchers, bitmasks); None: none are served."""
         self.kv = kv_manager
@@ -117,6 +121,7 @@ class Scheduler:
         preempted: list[str] = []
         self.kv.pins.expire()
         chunk_cap = self._prefill_chunk_cap()
+        latency = self._latency_budget()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -124,6 +129,8 @@ class Scheduler:
             if req.spec_token_ids:
                 self._cap_drafts(req)
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget, chunk_cap)
+            if latency is not None and num_new > 1 and not req.spec_token_ids:
+                num_new = latency.cap(req.num_computed_tokens, num_new)
             if not cfg.enable_chunked_prefill and req.num_tokens - req.num_computed_tokens > budget:
                 i += 1
                 continue
@@ -163,6 +170,8 @@ class Scheduler:
             num_new = req.num_tokens - num_hit
             if cfg.enable_chunked_prefill:
                 num_new = min(num_new, budget, chunk_cap)
+                if latency is not None and num_new > 1:
+                    num_new = latency.cap(num_hit, num_new)
             elif num_new > budget:
                 break
             req.num_computed_tokens = num_hit
@@ -312,6 +321,19 @@ class Scheduler:
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         return cap if decoding else self.config.max_num_batched_tokens
 
+    def _latency_budget(self) -> LatencyBudget | None:
+        """The budget that sizes this step's prompt chunks by predicted time (config.target_itl_ms), when the
+        step carries decodes; None (the token budget alone) otherwise, or when the target is 0."""
+        cfg = self.config
+        if cfg.target_itl_ms <= 0 or not cfg.enable_chunked_prefill:
+            return None
+        decodes = StepFeatures()
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                decodes = decodes + StepFeatures.of_request(r.num_computed_tokens,
+                                                            r.num_tokens_with_spec - r.num_computed_tokens)
+        return LatencyBudget(self.step_cost, cfg.target_itl_ms / 1000, decodes) if decodes.num_seqs else None
+
     def _allocate_for_admission(self, req: Request, num_new: int, computed) -> bool:
         if self.kv.allocate_slots(req, num_new, computed):
             return True
@@ -344,6 +366,10 @@ class Scheduler:
         now = time.monotonic()
         if self.spec_policy is not None:
             self.spec_policy.observe_step(out.total_num_scheduled_tokens, runner_out.execute_s)
+        if self.config.target_itl_ms > 0 and not out.is_empty:
+            carried = sum((StepFeatures.of_request(self.requests[r].num_computed_tokens, n)  # not yet advanced
+                           for r, n in out.num_scheduled_tokens.items() if r in self.requests), StepFeatures())
+            self.step_cost.observe(carried, runner_out.execute_s)
         sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
         prompt_logprobs = runner_out.prompt_logprobs
