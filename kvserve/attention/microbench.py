@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import CommonAttentionMetadata
-from kvserve.attention.cpu_kernels import load_paged_decode
+from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.torch_ref import TorchRefBackend, _decode
 from kvserve.kv_cache.quant import quantize
 
@@ -44,7 +44,7 @@ def decode(batch: int, ctx: int) -> str:
     meta = TorchRefBackend().build_metadata(common)
     flat = kv.view(-1, 2, HKV, D)
     line = f"decode  B={batch:3d} L={ctx:5d}: PyTorch gather+SDPA {_time(lambda: _decode(q, flat, meta, 0.125)):7.2f} ms"
-    kernel = load_paged_decode()
+    kernel = load_paged_attention()
     if kernel is not None:
         ms = _time(lambda: kernel.paged_decode_attention(q, kv, table, seq_lens, 0.125))
         line += f"   C++ kernel {ms:6.2f} ms ({batch * ctx * 2 * HKV * D * 4 / ms / 1e6:.1f} GB/s of K/V)"
