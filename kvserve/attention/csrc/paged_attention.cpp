@@ -35,6 +35,7 @@ namespace {
 constexpr float kNegBig = -1e30f;     // "no score yet": finite, since -ffast-math assumes no infinities
 constexpr int64_t kRowBudget = 256;   // query rows (tokens x heads) of one item: its state stays in L2
 constexpr int64_t kTransposeRows = 8; // rows per KV head from which a block's K is transposed first
+constexpr int64_t kPrefetchAhead = 1; // blocks
 
 struct Geometry {
   int64_t block_size, num_kv_heads, group, head_dim, max_blocks, slot_stride, block_stride;
@@ -219,28 +220,30 @@ void run_item(const Item& it, const float* q, const T* kv, const float* kv_scale
     const int64_t n = std::min(BS, end_key - blk * BS);
     const T* base = kv + it.table[blk] * g.block_stride;
     const float* sbase = kQuantized ? kv_scales + it.table[blk] * g.scale_block_stride : nullptr;
-    if (blk + 1 < end_block) {
-      // NOTE: blocks sit anywhere in the pool and the hardware prefetcher does not follow the block table;
-      // asking for the next block now overlaps its DRAM latency with this block's arithmetic. Only the
-      // item's heads: a slot's K and V of head h are D elements each, Hkv * D apart.
-      const T* next = kv + it.table[blk + 1] * g.block_stride;
-      const int64_t tokens = std::min(BS, end_key - (blk + 1) * BS);
-      const int64_t bytes = nh * D * static_cast<int64_t>(sizeof(T));
-      for (int64_t t = 0; t < tokens; ++t) {
-        const char* k = reinterpret_cast<const char*>(next + t * g.slot_stride + it.h0 * D);
-        const char* v = k + Hkv * D * static_cast<int64_t>(sizeof(T));
-        for (int64_t off = 0; off < bytes; off += 64) {
-          __builtin_prefetch(k + off);
-          __builtin_prefetch(v + off);
-        }
-      }
-      if (kQuantized) {
-        const char* ns = reinterpret_cast<const char*>(kv_scales + it.table[blk + 1] * g.scale_block_stride);
-        for (int64_t off = 0; off < tokens * g.scale_slot_stride * 4; off += 64) __builtin_prefetch(ns + off);
-      }
-    }
+    const int64_t ahead = blk + kPrefetchAhead;
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = it.h0 + hh;
+      const T* next = ahead < end_block ? kv + it.table[ahead] * g.block_stride + h * D : nullptr;
+      const int64_t next_tokens = next ? std::min(BS, end_key - ahead * BS) : 0;
+      if (next && transposed) {
+        // NOTE: blocks sit anywhere in the pool and the hardware prefetcher does not follow the block table;
+        // asking for a block ahead now overlaps its DRAM latency with this block's arithmetic. One head's
+        // K and V rows per head of this block, so the requests are spread over the block's work rather than
+        // issued in one burst that fills the miss queues.
+        const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+        for (int64_t t = 0; t < next_tokens; ++t) {
+          const char* k = reinterpret_cast<const char*>(next + t * g.slot_stride);
+          const char* v = k + Hkv * D * static_cast<int64_t>(sizeof(T));
+          for (int64_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(k + off);
+            __builtin_prefetch(v + off);
+          }
+        }
+      }
+      if (next && kQuantized && hh == 0) {
+        const char* ns = reinterpret_cast<const char*>(kv_scales + it.table[ahead] * g.scale_block_stride);
+        for (int64_t off = 0; off < next_tokens * g.scale_slot_stride * 4; off += 64) __builtin_prefetch(ns + off);
+      }
       const T* kraw = base + h * D;
       const T* vraw = base + (Hkv + h) * D;
       const float* vrows;
@@ -273,6 +276,16 @@ void run_item(const Item& it, const float* q, const T* kv, const float* kv_scale
         for (int64_t j0 = 0; j0 < G; j0 += 4) {
           const int64_t nr = std::min<int64_t>(4, G - j0), r0 = i * Hh + hh * G + j0;
           for (int64_t t = 0; t < nv; ++t) {
+            if (t < next_tokens && i == 0 && j0 == 0) {
+              // NOTE: decodes are memory-bound: the next block's rows of this head are requested one slot
+              // per K row scored, so the misses overlap the arithmetic without a burst filling the queues.
+              const char* pk = reinterpret_cast<const char*>(next + t * g.slot_stride);
+              const char* pv = pk + Hkv * D * static_cast<int64_t>(sizeof(T));
+              for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) {
+                __builtin_prefetch(pk + off);
+                __builtin_prefetch(pv + off);
+              }
+            }
             const float* __restrict k = krows + t * kstride;
             for (int64_t x = 0; x < nr; ++x) {
               const float* __restrict qr = qs + (r0 + x) * D;
