@@ -204,3 +204,10 @@ def test_engine_with_prefix_hits_decoding_together_matches_transformers(tiny_lla
         ref = hf_logits(hf, p + tokens)[len(p) - 1:-1]                     # the logits each token came from
         chosen = ref.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert (chosen >= ref.max(dim=1).values - 1e-3).all(), rid
+
+
+def test_microbench_refuses_a_missing_baseline(capsys):
+    from kvserve.attention.microbench import main
+
+    assert main(["--baseline", "/nonexistent/kernel.cpp"]) == 2
+    assert "no such file" in capsys.readouterr().err
