@@ -191,7 +191,7 @@ void run_item(const Item& it, const float* q, const T* kv, const float* kv_scale
   const int64_t ntok = static_cast<int64_t>(it.tokens.size()), nh = it.h1 - it.h0, Hh = nh * G;
   const int64_t rows = ntok * Hh;
   const bool transposed = ntok * G >= kTransposeRows;
-  scratch.resize(static_cast<size_t>(2 * rows * D + 2 * rows + 4 * BS + 2 * BS * D + 4 * BS));
+  scratch.resize(static_cast<size_t>(2 * rows * D + 2 * rows + 4 * BS + 2 * BS * D));
   float* qs = scratch.data();       // [rows, D] the item's query rows, times the softmax scale
   float* acc = qs + rows * D;       // [rows, D]
   float* rm = acc + rows * D;       // [rows]
@@ -370,14 +370,17 @@ void dispatch_dtype(const std::vector<Item>& items, const float* q, const torch:
   }
 }
 
-// Items over `tokens` (each with its limit), cut into tiles of at most kRowBudget rows: all KV heads in one
-// item when a token's rows fit (a decode reads each block's slots whole), else one KV head per item.
+// Items over `tokens` (each with its limit). A decode's few rows take all KV heads in one item (memory-bound:
+// each block's slots are read whole, in order); more rows (a prefill chunk, a shared prefix's group) are cut
+// into one KV head per item and tiles of at most kRowBudget rows, at least 4 tiles of 8+ tokens where there
+// are enough, so that a group's shared pass is spread over the threads rather than one item.
 void add_items(std::vector<Item>& items, const int64_t* table, int64_t first_block, int64_t end_key,
                const std::vector<int64_t>& tokens, const std::vector<int64_t>& limits, bool seeded, bool finish,
                const Geometry& g) {
-  const int64_t Hq = g.num_kv_heads * g.group, ntok = static_cast<int64_t>(tokens.size());
-  const bool all_heads = ntok * Hq <= kRowBudget;
-  const int64_t per_item = all_heads ? ntok : std::max<int64_t>(1, kRowBudget / g.group);
+  const int64_t ntok = static_cast<int64_t>(tokens.size());
+  const bool all_heads = ntok * g.group < kTransposeRows;
+  const int64_t per_item = all_heads ? ntok
+                                     : std::clamp<int64_t>((ntok + 3) / 4, 8, std::max<int64_t>(1, kRowBudget / g.group));
   for (int64_t h = 0; h < g.num_kv_heads; h += all_heads ? g.num_kv_heads : 1) {
     for (int64_t a = 0; a < ntok; a += per_item) {
       const int64_t b = std::min(ntok, a + per_item);
