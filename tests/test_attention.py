@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import CommonAttentionMetadata
-from kvserve.attention.cpu_kernels import load_paged_decode
+from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.torch_ref import TorchRefBackend
 
@@ -24,7 +24,7 @@ def _dense_decode(q, ks, vs, scale):
 
 
 def _kernel_or_skip():
-    kernel = load_paged_decode()
+    kernel = load_paged_attention()
     if kernel is None:
         pytest.skip("no C++ toolchain to build the paged decode kernel")
     return kernel

@@ -9,7 +9,7 @@ import torch
 
 from conftest import run_to_completion, step_until_idle
 from kvserve.attention.backend import CommonAttentionMetadata
-from kvserve.attention.cpu_kernels import load_paged_decode
+from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.config import EngineArgs
@@ -24,7 +24,7 @@ QUANT_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def _kernel_or_skip():
-    kernel = load_paged_decode()
+    kernel = load_paged_attention()
     if kernel is None:
         pytest.skip("no C++ toolchain to build the paged decode kernel")
     return kernel

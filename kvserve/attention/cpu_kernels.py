@@ -1,8 +1,8 @@
-"""The C++ paged decode-attention kernel (csrc/paged_decode.cpp), and the cache every C++ kernel is built into.
+"""The C++ paged attention kernel (csrc/paged_attention.cpp), and the cache every C++ kernel is built into.
 
 Decode attention on CPU is memory-bound: the PyTorch path gathers every context into a padded copy per
-layer (a write and a second read of all K/V) before SDPA reads it again. The kernel reads K/V in place
-through the block table. Kernels are built with torch's cpp_extension (ninja + the system C++ compiler).
+layer (a write and a second read of all K/V) before SDPA reads it again, and a prefill chunk after cached
+context gathers that context too. The kernel reads K/V in place through the block table, for both. Kernels are built with torch's cpp_extension (ninja + the system C++ compiler).
 
 Why our own cache rather than torch's extension dir: torch names a build by the extension name only and its
 build files hold the source's absolute path, so two checkouts (or two venvs) rebuild each other's kernels on
@@ -28,7 +28,7 @@ from kvserve import envs
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention.cpp")
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 _LDFLAGS = ("-fopenmp",)
 
@@ -124,6 +124,6 @@ def build_extension(name: str, source: str, what: str):
 
 
 @functools.lru_cache(maxsize=1)
-def load_paged_decode():
-    """The compiled paged decode-attention module, or None (logged) when it cannot be built here."""
-    return build_extension("kvserve_paged_decode", _SOURCE, "paged decode attention")
+def load_paged_attention():
+    """The compiled paged attention module (decode and prefill), or None (logged) when it cannot be built here."""
+    return build_extension("kvserve_paged_attention", _SOURCE, "paged attention")

@@ -1,6 +1,8 @@
-"""cpu_paged: decodes through the C++ paged decode kernel (csrc/paged_decode.cpp: K/V read in place through
-the block tables, one pass with an online softmax; an int8/fp8 cache is dequantized as it is read, with its
-scales, and a bfloat16 one widened), prefill chunks as in the reference backend."""
+"""cpu_paged: every query token of the step through the C++ paged attention kernel (csrc/paged_attention.cpp):
+decodes, draft verification and prefill chunks alike read K/V in place through the block tables (no gathered
+copy of a chunk's cached context), one pass with an online softmax; an int8/fp8 cache is dequantized as it is
+read, with its scales, and a bfloat16 one widened. Sequences that share cached prefix blocks read them once for
+all their query rows (attention/cascade.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,28 +10,32 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention.backend import CommonAttentionMetadata
-from kvserve.attention.prefill import PrefillChunk, build_prefills, prefill_attention, write_kv
+from kvserve.attention.cascade import SharedPrefixes, find_shared_prefixes
+from kvserve.attention.prefill import write_kv
 from kvserve.attention.torch_ref import kv_cache_scale_shape, kv_cache_shape
 from kvserve.kv_cache.quant import QuantizedKVCache
 
 
 @dataclass
 class CPUPagedMetadata:
+    """One kernel sequence per request: a request verifying drafts has one sequence for all its rows."""
+
     slot_mapping: torch.Tensor                # [T]
-    num_decode_tokens: int
-    decode_block_table: torch.Tensor | None   # [Bd, max_blocks] int64
-    decode_seq_lens: torch.Tensor | None      # [Bd] int64
-    prefills: list[PrefillChunk]
-    decode_query_start: torch.Tensor | None = None  # [Bd + 1] int64 when a request has several decode rows
+    block_table: torch.Tensor                 # [S, max_blocks] int64
+    seq_lens: torch.Tensor                    # [S] int64, of each sequence's last query token
+    query_start: torch.Tensor                 # [S + 1] int64
+    shared: SharedPrefixes | None             # groups of sequences with common leading blocks
 
 
 class CPUPagedBackend:
-    """`kernel`: the compiled module (cpu_kernels.load_paged_decode())."""
+    """`kernel`: the compiled module (cpu_kernels.load_paged_attention()); `cascade`: read the blocks that
+    several sequences of a step share once for all of them (off: each sequence reads its own)."""
 
     name = "cpu_paged"
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, cascade: bool = True):
         self.kernel = kernel
+        self.cascade = cascade
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
@@ -39,29 +45,32 @@ class CPUPagedBackend:
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CPUPagedMetadata:
         nd = common.num_decodes
-        table = lens = starts = None
-        if nd and common.decode_groups is not None:  # one kernel task per request: its K/V read once
-            starts = common.decode_groups.contiguous()
-            table = common.block_table[starts[:-1]].contiguous()
-            lens = common.seq_lens[starts[1:] - 1].contiguous()
-        elif nd:
-            table = common.block_table[:nd].contiguous()
-            lens = common.seq_lens[:nd].contiguous()
-        return CPUPagedMetadata(common.slot_mapping, common.num_decode_tokens, table, lens, build_prefills(common),
-                                starts)
+        loc = common.query_start_loc
+        if nd and common.decode_groups is not None:
+            # decode rows of one request are consecutive tokens of one sequence: its K/V read once for them
+            dec = common.decode_groups
+            rows = torch.cat((dec[:-1], torch.arange(nd, len(common.seq_lens_cpu))))
+            last = torch.cat((dec[1:] - 1, torch.arange(nd, len(common.seq_lens_cpu))))
+            starts = torch.cat((dec, loc[nd + 1:]))
+            table, lens = common.block_table[rows], common.seq_lens[last]
+        else:
+            table, lens, starts = common.block_table, common.seq_lens, loc
+        table, lens, starts = table.contiguous(), lens.contiguous(), starts.contiguous()
+        shared = None
+        if self.cascade and len(lens) > 1:
+            q_lens = starts.diff().tolist()
+            visible = [(n - q) // common.block_size for n, q in zip(lens.tolist(), q_lens)]
+            shared = find_shared_prefixes(table.tolist(), visible)
+        return CPUPagedMetadata(common.slot_mapping, table, lens, starts, shared)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
-        flat = write_kv(kv_cache, meta.slot_mapping, k, v)                  # [slots, 2, Hkv, D]
-        out = torch.empty_like(q)                                           # [T, Hq, D]
-        nd = meta.num_decode_tokens
-        if nd:
-            values, scales = ((kv_cache.values, kv_cache.scales) if isinstance(kv_cache, QuantizedKVCache)
-                              else (kv_cache, None))
-            # NOTE: the kernel takes float32 queries (a bf16 model's are a few rows: cheap to widen) and
-            # returns float32; the copy into `out` rounds back to the model's dtype.
-            out[:nd] = self.kernel.paged_decode_attention(q[:nd].float().contiguous(), values, meta.decode_block_table,
-                                                          meta.decode_seq_lens, scale, meta.decode_query_start,
-                                                          scales)
-        prefill_attention(q, k, v, flat, meta.prefills, out, scale)
-        return out
+        write_kv(kv_cache, meta.slot_mapping, k, v)
+        values, scales = ((kv_cache.values, kv_cache.scales) if isinstance(kv_cache, QuantizedKVCache)
+                          else (kv_cache, None))
+        s = meta.shared
+        # NOTE: the kernel takes and returns float32 queries; a bf16 model's are widened and the result rounded
+        # back (a copy of q, small beside the K/V it reads).
+        out = self.kernel.paged_attention(q.float().contiguous(), values, meta.block_table, meta.seq_lens, scale,
+                                          meta.query_start, scales, *((s.seqs, s.starts, s.blocks) if s else ()))
+        return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -1,4 +1,5 @@
-"""Prefill chunks through PyTorch's flash SDPA, shared by both CPU backends.
+"""Prefill chunks through PyTorch's flash SDPA (the reference backend's path: cpu_paged reads chunks through its
+kernel), and the cache writes and gathers both backends share.
 
 A chunk that starts at position 0 attends to its own k/v directly (nothing to gather); a later chunk
 gathers its context from the cache. From a quantized cache the gather dequantizes, so a prompt's first

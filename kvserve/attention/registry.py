@@ -29,10 +29,10 @@ def make_backend(name: str, device_type: str, quantized_kv: bool = False) -> Att
         if name == "cpu_paged":
             raise ValueError("attention backend cpu_paged runs on the CPU only")
         return TorchRefBackend()
-    from kvserve.attention.cpu_kernels import load_paged_decode
+    from kvserve.attention.cpu_kernels import load_paged_attention
     from kvserve.attention.cpu_paged import CPUPagedBackend
 
-    kernel = load_paged_decode()
+    kernel = load_paged_attention()
     if kernel is None:
         if name == "cpu_paged":
             raise ValueError("attention backend cpu_paged needs a C++ compiler and ninja to build its kernel")

@@ -1,0 +1,529 @@
+// Paged attention for CPU, decode and prefill alike: each sequence's query tokens sit at consecutive positions
+// ending at seq_len - 1 (one token for a decode, a few for a request verifying drafts, a whole chunk for a
+// prefill), and attend causally to K/V read in place through the block table, never gathered into a copy.
+// One pass with an online softmax (running max and sum per query row).
+//
+// Work is cut into items: some query tokens of one sequence (a tile), some of its KV heads, and a range of its
+// blocks. A physical block is the unit of the inner loop: for each KV head the G query heads that share it are
+// scored together (GQA: each K/V row is read once for the group), the running max/sum are corrected once per
+// block, and the block's V rows are accumulated while it is still in L1; the next block is prefetched
+// meanwhile. Decodes score a K row against their few query rows with dot products; tiles with many rows (a
+// prefill) first transpose the block's K into [D, block_size] so that each query row scores the whole block
+// with broadcast FMAs, 4 rows at a time, which turns the scores into a small matrix product.
+//
+// Shared prefixes (cascade attention): when several sequences start with the same physical blocks, the query
+// rows of all of them attend to those blocks in one pass (K/V read once for the group, and more rows per K/V
+// load), and each sequence then continues over its own blocks from that state. Continuing an online softmax from
+// a state (max m, sum l, unnormalised output o) is the log-sum-exp merge of the two partial attentions:
+// o = o1 * exp(m1 - m) + o2 * exp(m2 - m), l likewise, m = max(m1, m2).
+//
+// Element types are a template parameter behind `to_float` (float32; bfloat16, widened without scales; int8 and fp8 e4m3 with one float32 scale
+// per slot, KV head and K/V, kvserve/kv_cache/quant.py): a block's rows of one KV head are widened to float times
+// their scales into block-sized buffers that stay in L1, and the float code reads those. Another cache type is
+// one more `to_float` overload and one more case in `dispatch_dtype`.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegBig = -1e30f;     // "no score yet": finite, since -ffast-math assumes no infinities
+constexpr int64_t kRowBudget = 256;   // query rows (tokens x heads) of one item: its state stays in L2
+constexpr int64_t kTransposeRows = 8; // rows per KV head from which a block's K is transposed first
+constexpr int64_t kPrefetchAhead = 1; // blocks
+
+struct Geometry {
+  int64_t block_size, num_kv_heads, group, head_dim, max_blocks, slot_stride, block_stride;
+  int64_t scale_slot_stride, scale_block_stride;  // of a quantized cache's scales ([blocks, BS, 2, Hkv])
+};
+
+// fp8 e4m3fn, as its bit pattern (a distinct type so that overloading picks its conversion).
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+// bfloat16, as its bit pattern: a --dtype bfloat16 cache. Widened like a quantized cache (into the same L1
+// buffers), but it has no scales.
+struct Bf16 {
+  uint16_t bits;
+};
+// Types that need widening to float before the arithmetic, and those of them that carry a scale per row.
+template <typename T>
+constexpr bool kWidened = !std::is_same<T, float>::value;
+template <typename T>
+constexpr bool kScaled = kWidened<T> && !std::is_same<T, Bf16>::value;
+
+inline float to_float(float x) { return x; }
+inline float to_float(Bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+// The sign, exponent and mantissa bits moved to a float32's sign, low exponent and high mantissa bits give
+// the value times 2^-120 (exponent bias 127 instead of 7), subnormals included. The cache never holds
+// e4m3fn's NaN (values are clamped to +-448 when written), so there is no special case, and the loops
+// that call this stay branch-free and vectorise.
+inline float to_float(Fp8E4M3 x) {
+  const uint32_t b = x.bits;
+  const uint32_t u = ((b & 0x80u) << 24) | ((b & 0x7Fu) << 20);
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f * 0x1p120f;
+}
+
+// One unit of work. Its query tokens are `tokens` (rows of q), each seeing keys [0, limit) of the sequence;
+// it reads keys [first_block * BS, end_key) for KV heads [h0, h1).
+struct Item {
+  const int64_t* table;
+  int64_t first_block, end_key, h0, h1;
+  std::vector<int64_t> tokens, limits;
+  bool seeded;    // start from the state in out/m/l (a shared prefix's result) rather than from nothing
+  bool finish;    // normalise into out; otherwise store the raw state for a later item to continue
+};
+
+struct State {
+  float* out;     // [T, Hq, D]: the final output, or the unnormalised accumulator between items
+  float* m;       // [T, Hq] running max
+  float* l;       // [T, Hq] running sum
+};
+
+template <int kD, typename T>
+inline void widen_rows(const T* src, const float* scales, int64_t n, int64_t D_rt, int64_t stride,
+                       int64_t scale_stride, float* dst) {
+  const int64_t D = kD > 0 ? kD : D_rt;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* __restrict row = src + t * stride;
+    float* __restrict o = dst + t * D;
+    const float s = kScaled<T> ? scales[t * scale_stride] : 1.0f;
+    for (int64_t d = 0; d < D; ++d) o[d] = to_float(row[d]) * s;
+  }
+}
+
+// K rows [n, D] -> kt [D, BS] (columns past n zero), times their scales.
+template <int kD, int kBS, typename T>
+inline void transpose_rows(const T* src, const float* scales, int64_t n, int64_t D_rt, int64_t BS_rt,
+                           int64_t stride, int64_t scale_stride, float* kt) {
+  const int64_t D = kD > 0 ? kD : D_rt, BS = kBS > 0 ? kBS : BS_rt;
+  if (n < BS) std::fill(kt, kt + D * BS, 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* __restrict row = src + t * stride;
+    const float s = kScaled<T> ? scales[t * scale_stride] : 1.0f;
+    for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = to_float(row[d]) * s;
+  }
+}
+
+// The online-softmax update of one row by a block's scores s[0, nv): s becomes the block's weights; returns the
+// factor the row's accumulator is scaled by before they are added.
+inline float softmax_update(float* s, int64_t nv, float& m, float& l) {
+  float bmax = s[0];
+  for (int64_t t = 1; t < nv; ++t) bmax = std::max(bmax, s[t]);
+  const float nmax = std::max(m, bmax);
+  const float corr = std::exp(m - nmax);  // 0 on the row's first block (m = kNegBig)
+  float bsum = 0.0f;
+  for (int64_t t = 0; t < nv; ++t) {
+    s[t] = std::exp(s[t] - nmax);
+    bsum += s[t];
+  }
+  l = l * corr + bsum;
+  m = nmax;
+  return corr;
+}
+
+// One block of one KV head for many query rows (a prefill tile): the block's K is transposed in kt [D, BS], and
+// rows are taken 4 at a time (across tokens: a token's G heads and the next token's), so each load of kt and of
+// a V row feeds 4 FMAs. Tokens ascend, so a group's causal limits do too.
+template <int kD, int kBS>
+void matrix_rows(const Item& it, int64_t hh, int64_t blk, int64_t n, const float* kt, const float* vrows,
+                 int64_t vstride, const float* qs, float* acc, float* rm, float* rl, int64_t D_rt, int64_t BS_rt,
+                 int64_t G, int64_t Hh) {
+  const int64_t D = kD > 0 ? kD : D_rt, BS = kBS > 0 ? kBS : BS_rt;
+  constexpr int64_t kMaxBS = kBS > 0 ? kBS : 64;
+  const int64_t total = static_cast<int64_t>(it.tokens.size()) * G;
+  for (int64_t p0 = 0; p0 < total; p0 += 4) {
+    const int64_t nr = std::min<int64_t>(4, total - p0);
+    int64_t r[4], nv[4];
+    for (int64_t x = 0; x < 4; ++x) {
+      const int64_t p = p0 + std::min(x, nr - 1), i = p / G;
+      r[x] = i * Hh + hh * G + p % G;
+      nv[x] = x < nr ? std::max<int64_t>(0, std::min(n, it.limits[i] - blk * BS)) : 0;
+    }
+    if (nv[nr - 1] == 0) continue;
+    alignas(64) float s[4][kMaxBS];
+    for (int64_t x = 0; x < 4; ++x)
+      for (int64_t t = 0; t < BS; ++t) s[x][t] = 0.0f;
+    const float *q0 = qs + r[0] * D, *q1 = qs + r[1] * D, *q2 = qs + r[2] * D, *q3 = qs + r[3] * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float* __restrict kd = kt + d * BS;
+      const float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d];
+      for (int64_t t = 0; t < BS; ++t) {
+        s[0][t] += a0 * kd[t];
+        s[1][t] += a1 * kd[t];
+        s[2][t] += a2 * kd[t];
+        s[3][t] += a3 * kd[t];
+      }
+    }
+    float corr[4];
+    int64_t tmax = 0;
+    for (int64_t x = 0; x < 4; ++x) {
+      corr[x] = nv[x] > 0 ? softmax_update(s[x], nv[x], rm[r[x]], rl[r[x]]) : 1.0f;
+      for (int64_t t = nv[x]; t < BS; ++t) s[x][t] = 0.0f;
+      tmax = std::max(tmax, nv[x]);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 rows x 64 columns of accumulator: 16 vector registers
+      const int64_t dn = std::min<int64_t>(64, D - d0);
+      alignas(64) float a[4][64];
+      for (int64_t x = 0; x < 4; ++x)
+        for (int64_t d = 0; d < dn; ++d) a[x][d] = acc[r[x] * D + d0 + d] * corr[x];
+      for (int64_t t = 0; t < tmax; ++t) {
+        const float* __restrict v = vrows + t * vstride + d0;
+        const float w0 = s[0][t], w1 = s[1][t], w2 = s[2][t], w3 = s[3][t];
+        for (int64_t d = 0; d < dn; ++d) {
+          a[0][d] += w0 * v[d];
+          a[1][d] += w1 * v[d];
+          a[2][d] += w2 * v[d];
+          a[3][d] += w3 * v[d];
+        }
+      }
+      for (int64_t x = 0; x < nr; ++x)
+        for (int64_t d = 0; d < dn; ++d) acc[r[x] * D + d0 + d] = a[x][d];
+    }
+  }
+}
+
+template <int kD, int kBS, typename T>
+void run_item(const Item& it, const float* q, const T* kv, const float* kv_scales, const Geometry& g,
+              float scale, const State& st, std::vector<float>& scratch) {
+  constexpr bool kQuantized = kWidened<T>;  // widened into L1 buffers (int8, fp8: with scales; bf16: without)
+  const int64_t D = kD > 0 ? kD : g.head_dim, BS = kBS > 0 ? kBS : g.block_size;
+  const int64_t G = g.group, Hkv = g.num_kv_heads, Hq = Hkv * G;
+  const int64_t ntok = static_cast<int64_t>(it.tokens.size()), nh = it.h1 - it.h0, Hh = nh * G;
+  const int64_t rows = ntok * Hh;
+  const bool transposed = ntok * G >= kTransposeRows;
+  scratch.resize(static_cast<size_t>(2 * rows * D + 2 * rows + 4 * BS + 2 * BS * D));
+  float* qs = scratch.data();       // [rows, D] the item's query rows, times the softmax scale
+  float* acc = qs + rows * D;       // [rows, D]
+  float* rm = acc + rows * D;       // [rows]
+  float* rl = rm + rows;            // [rows]
+  float* sc = rl + rows;            // [4, BS] scores of up to 4 rows
+  float* kb = sc + 4 * BS;          // [BS, D] or [D, BS]: the block's K of one head, as floats
+  float* vb = kb + BS * D;          // [BS, D] its V (quantized caches only)
+  // row r = i * Hh + hh * G + j: token i, KV head h0 + hh, its j-th query head
+  for (int64_t i = 0; i < ntok; ++i) {
+    for (int64_t c = 0; c < Hh; ++c) {
+      const int64_t r = i * Hh + c, head = it.tokens[i] * Hq + it.h0 * G + c;
+      const float* src = q + head * D;
+      for (int64_t d = 0; d < D; ++d) qs[r * D + d] = src[d] * scale;
+      if (it.seeded) {
+        std::memcpy(acc + r * D, st.out + head * D, sizeof(float) * D);
+        rm[r] = st.m[head], rl[r] = st.l[head];
+      } else {
+        std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
+        rm[r] = kNegBig, rl[r] = 0.0f;
+      }
+    }
+  }
+  const int64_t end_key = std::min(it.end_key, *std::max_element(it.limits.begin(), it.limits.end()));
+  const int64_t end_block = (end_key + BS - 1) / BS;
+  for (int64_t blk = it.first_block; blk < end_block; ++blk) {
+    const int64_t n = std::min(BS, end_key - blk * BS);
+    const T* base = kv + it.table[blk] * g.block_stride;
+    const float* sbase = kScaled<T> ? kv_scales + it.table[blk] * g.scale_block_stride : nullptr;
+    const int64_t ahead = blk + kPrefetchAhead;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t h = it.h0 + hh;
+      const T* next = ahead < end_block ? kv + it.table[ahead] * g.block_stride + h * D : nullptr;
+      const int64_t next_tokens = next ? std::min(BS, end_key - ahead * BS) : 0;
+      if (next && transposed) {
+        // NOTE: blocks sit anywhere in the pool and the hardware prefetcher does not follow the block table;
+        // asking for a block ahead now overlaps its DRAM latency with this block's arithmetic. One head's
+        // K and V rows per head of this block, so the requests are spread over the block's work rather than
+        // issued in one burst that fills the miss queues.
+        const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+        for (int64_t t = 0; t < next_tokens; ++t) {
+          const char* k = reinterpret_cast<const char*>(next + t * g.slot_stride);
+          const char* v = k + Hkv * D * static_cast<int64_t>(sizeof(T));
+          for (int64_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(k + off);
+            __builtin_prefetch(v + off);
+          }
+        }
+      }
+      if (next && kScaled<T> && hh == 0) {
+        const char* ns = reinterpret_cast<const char*>(kv_scales + it.table[ahead] * g.scale_block_stride);
+        for (int64_t off = 0; off < next_tokens * g.scale_slot_stride * 4; off += 64) __builtin_prefetch(ns + off);
+      }
+      const T* kraw = base + h * D;
+      const T* vraw = base + (Hkv + h) * D;
+      const float* vrows;
+      int64_t vstride;
+      if constexpr (kQuantized) {
+        widen_rows<kD>(vraw, sbase ? sbase + Hkv + h : nullptr, n, D, g.slot_stride, g.scale_slot_stride, vb);
+        vrows = vb, vstride = D;
+      } else {
+        vrows = vraw, vstride = g.slot_stride;
+      }
+      const float* krows = nullptr;  // [n, D] rows `kstride` apart, when not transposed
+      int64_t kstride = D;
+      if (transposed) {
+        transpose_rows<kD, kBS>(kraw, sbase ? sbase + h : nullptr, n, D, BS, g.slot_stride, g.scale_slot_stride,
+                                kb);
+      } else if constexpr (kQuantized) {
+        widen_rows<kD>(kraw, sbase ? sbase + h : nullptr, n, D, g.slot_stride, g.scale_slot_stride, kb);
+        krows = kb;
+      } else {
+        krows = kraw, kstride = g.slot_stride;
+      }
+      if (transposed) {
+        matrix_rows<kD, kBS>(it, hh, blk, n, kb, vrows, vstride, qs, acc, rm, rl, D, BS, G, Hh);
+        continue;
+      }
+      // Few rows (decodes): each K row scored against one token's G query heads, up to 4 at a time.
+      for (int64_t i = 0; i < ntok; ++i) {
+        const int64_t nv = std::min(n, it.limits[i] - blk * BS);  // the causal limit within this block
+        if (nv <= 0) continue;
+        for (int64_t j0 = 0; j0 < G; j0 += 4) {
+          const int64_t nr = std::min<int64_t>(4, G - j0), r0 = i * Hh + hh * G + j0;
+          for (int64_t t = 0; t < nv; ++t) {
+            if (t < next_tokens && i == 0 && j0 == 0) {
+              // NOTE: decodes are memory-bound: the next block's rows of this head are requested one slot
+              // per K row scored, so the misses overlap the arithmetic without a burst filling the queues.
+              const char* pk = reinterpret_cast<const char*>(next + t * g.slot_stride);
+              const char* pv = pk + Hkv * D * static_cast<int64_t>(sizeof(T));
+              for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) {
+                __builtin_prefetch(pk + off);
+                __builtin_prefetch(pv + off);
+              }
+            }
+            const float* __restrict k = krows + t * kstride;
+            for (int64_t x = 0; x < nr; ++x) {
+              const float* __restrict qr = qs + (r0 + x) * D;
+              float s = 0.0f;
+              for (int64_t d = 0; d < D; ++d) s += qr[d] * k[d];
+              sc[x * BS + t] = s;
+            }
+          }
+          for (int64_t x = 0; x < nr; ++x) {
+            const int64_t r = r0 + x;
+            float* s = sc + x * BS;
+            const float corr = softmax_update(s, nv, rm[r], rl[r]);
+            // NOTE: a local copy of the row's accumulator: with D fixed at compile time and no aliasing the
+            // compiler keeps it in vector registers across the block's tokens.
+            float a[kD > 0 ? kD : 256];
+            float* __restrict ar = acc + r * D;
+            for (int64_t d = 0; d < D; ++d) a[d] = ar[d] * corr;
+            for (int64_t t = 0; t < nv; ++t) {
+              const float* __restrict v = vrows + t * vstride;
+              const float w = s[t];
+              for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+            }
+            for (int64_t d = 0; d < D; ++d) ar[d] = a[d];
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < ntok; ++i) {
+    for (int64_t c = 0; c < Hh; ++c) {
+      const int64_t r = i * Hh + c, head = it.tokens[i] * Hq + it.h0 * G + c;
+      float* dst = st.out + head * D;
+      if (it.finish) {
+        const float inv = 1.0f / rl[r];
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+      } else {
+        std::memcpy(dst, acc + r * D, sizeof(float) * D);
+        st.m[head] = rm[r], st.l[head] = rl[r];
+      }
+    }
+  }
+}
+
+template <int kD, int kBS, typename T>
+void run_items(const std::vector<Item>& items, const float* q, const T* kv, const float* sp, const Geometry& g,
+               float scale, const State& st) {
+  const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel
+  {
+    std::vector<float> scratch;  // per thread, reused across items
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) run_item<kD, kBS, T>(items[i], q, kv, sp, g, scale, st, scratch);
+  }
+}
+
+template <typename T>
+void dispatch_shape(const std::vector<Item>& items, const float* q, const T* kv, const float* sp, const Geometry& g,
+                    float scale, const State& st) {
+  const bool bs16 = g.block_size == 16;
+  if (g.head_dim == 64 && bs16) {
+    run_items<64, 16, T>(items, q, kv, sp, g, scale, st);
+  } else if (g.head_dim == 128 && bs16) {
+    run_items<128, 16, T>(items, q, kv, sp, g, scale, st);
+  } else if (g.head_dim == 64) {
+    run_items<64, 0, T>(items, q, kv, sp, g, scale, st);
+  } else if (g.head_dim == 128) {
+    run_items<128, 0, T>(items, q, kv, sp, g, scale, st);
+  } else {
+    run_items<0, 0, T>(items, q, kv, sp, g, scale, st);
+  }
+}
+
+void dispatch_dtype(const std::vector<Item>& items, const float* q, const torch::Tensor& kv, const float* sp,
+                    const Geometry& g, float scale, const State& st) {
+  const void* p = kv.data_ptr();
+  if (kv.scalar_type() == torch::kFloat32) {
+    dispatch_shape(items, q, static_cast<const float*>(p), sp, g, scale, st);
+  } else if (kv.scalar_type() == torch::kBFloat16) {
+    dispatch_shape(items, q, static_cast<const Bf16*>(p), sp, g, scale, st);
+  } else if (kv.scalar_type() == torch::kInt8) {
+    dispatch_shape(items, q, static_cast<const int8_t*>(p), sp, g, scale, st);
+  } else {
+    dispatch_shape(items, q, static_cast<const Fp8E4M3*>(p), sp, g, scale, st);
+  }
+}
+
+// Items over `tokens` (each with its limit). A decode's few rows take all KV heads in one item (memory-bound:
+// each block's slots are read whole, in order); more rows (a prefill chunk, a shared prefix's group) are cut
+// into one KV head per item and tiles of at most kRowBudget rows, at least 4 tiles of 8+ tokens where there
+// are enough, so that a group's shared pass is spread over the threads rather than one item.
+void add_items(std::vector<Item>& items, const int64_t* table, int64_t first_block, int64_t end_key,
+               const std::vector<int64_t>& tokens, const std::vector<int64_t>& limits, bool seeded, bool finish,
+               const Geometry& g) {
+  const int64_t ntok = static_cast<int64_t>(tokens.size());
+  const bool all_heads = ntok * g.group < kTransposeRows;
+  const int64_t per_item = all_heads ? ntok
+                                     : std::clamp<int64_t>((ntok + 3) / 4, 8, std::max<int64_t>(1, kRowBudget / g.group));
+  for (int64_t h = 0; h < g.num_kv_heads; h += all_heads ? g.num_kv_heads : 1) {
+    for (int64_t a = 0; a < ntok; a += per_item) {
+      const int64_t b = std::min(ntok, a + per_item);
+      items.push_back(Item{table, first_block, end_key, h, all_heads ? g.num_kv_heads : h + 1,
+                           std::vector<int64_t>(tokens.begin() + a, tokens.begin() + b),
+                           std::vector<int64_t>(limits.begin() + a, limits.begin() + b), seeded, finish});
+    }
+  }
+}
+
+}  // namespace
+
+// q [T, Hq, D] float32; kv [num_blocks, block_size, 2, Hkv, D] (float32, or int8/float8_e4m3fn with kv_scales
+// [num_blocks, block_size, 2, Hkv] float32); block_table [B, max_blocks] int64; seq_lens [B] int64.
+// query_start (optional, [B + 1] int64): sequence b has the query tokens q[query_start[b]:query_start[b+1]] at
+// consecutive positions ending at seq_lens[b] - 1; absent: one query token per sequence.
+// Shared prefixes (optional, all three or none): group c is the sequences
+// cascade_seqs[cascade_starts[c]:cascade_starts[c+1]], whose block tables all begin with the same
+// cascade_blocks[c] blocks, which lie before every one of their query tokens' positions.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table, torch::Tensor seq_lens,
+                              double scale, c10::optional<torch::Tensor> query_start,
+                              c10::optional<torch::Tensor> kv_scales, c10::optional<torch::Tensor> cascade_seqs,
+                              c10::optional<torch::Tensor> cascade_starts, c10::optional<torch::Tensor> cascade_blocks) {
+  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_attention: inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 3, "paged_attention: q must be [T, Hq, D] float32");
+  const float* sp = nullptr;
+  if (kv_scales.has_value()) {
+    TORCH_CHECK(kv.scalar_type() == torch::kInt8 || kv.scalar_type() == at::kFloat8_e4m3fn,
+                "paged_attention: a cache with scales must be int8 or float8_e4m3fn");
+    TORCH_CHECK(kv_scales->is_contiguous() && kv_scales->scalar_type() == torch::kFloat32 && kv_scales->dim() == 4 &&
+                    kv.dim() == 5 && kv_scales->sizes() == kv.sizes().slice(0, 4),
+                "paged_attention: kv_scales must be contiguous float32 shaped as kv without head_dim");
+    sp = kv_scales->data_ptr<float>();
+  } else {
+    TORCH_CHECK(kv.scalar_type() == torch::kFloat32 || kv.scalar_type() == torch::kBFloat16,
+                "paged_attention: an unquantized cache must be float32 or bfloat16 (int8/fp8 need kv_scales)");
+  }
+  TORCH_CHECK(kv.dim() == 5, "paged_attention: kv must be [num_blocks, block_size, 2, Hkv, D]");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
+              "block_table and seq_lens must be int64");
+  const int64_t B = seq_lens.size(0), T = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B, "block_table must be [B, max_blocks]");
+  std::vector<int64_t> qs(B + 1);
+  if (query_start.has_value()) {
+    TORCH_CHECK(query_start->is_contiguous() && query_start->scalar_type() == torch::kInt64 &&
+                    query_start->size(0) == B + 1, "query_start must be [B + 1] int64");
+    std::memcpy(qs.data(), query_start->data_ptr<int64_t>(), sizeof(int64_t) * (B + 1));
+    TORCH_CHECK(qs[0] == 0 && qs[B] == T, "query_start must run from 0 to the number of query tokens");
+  } else {
+    TORCH_CHECK(T == B, "one query token per sequence without query_start");
+    for (int64_t b = 0; b <= B; ++b) qs[b] = b;
+  }
+  const int64_t BS = kv.size(1), Hkv = kv.size(3);
+  TORCH_CHECK(kv.size(4) == D && Hq % Hkv == 0, "paged_attention: head shapes do not match");
+  TORCH_CHECK(D <= 256 && BS <= 64, "paged_attention: head_dim above 256 or block_size above 64 is not supported");
+  const Geometry g{BS, Hkv, Hq / Hkv, D, block_table.size(1), 2 * Hkv * D, BS * 2 * Hkv * D, 2 * Hkv,
+                   BS * 2 * Hkv};
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t* bt = block_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(qs[b + 1] >= qs[b] && sl[b] >= qs[b + 1] - qs[b] && (sl[b] + BS - 1) / BS <= g.max_blocks,
+                "paged_attention: a sequence's query tokens or length do not fit its block table");
+  }
+
+  std::vector<int64_t> skip(B, 0);  // blocks of each sequence covered by its group's shared pass
+  std::vector<Item> shared;
+  const bool cascade = cascade_seqs.has_value();
+  TORCH_CHECK(cascade == cascade_starts.has_value() && cascade == cascade_blocks.has_value(),
+              "paged_attention: cascade_seqs, cascade_starts and cascade_blocks go together");
+  if (cascade) {
+    const int64_t* cs = cascade_seqs->data_ptr<int64_t>();
+    const int64_t* cst = cascade_starts->data_ptr<int64_t>();
+    const int64_t* cb = cascade_blocks->data_ptr<int64_t>();
+    const int64_t C = cascade_blocks->size(0);
+    TORCH_CHECK(cascade_starts->size(0) == C + 1 && cst[0] == 0 && cst[C] == cascade_seqs->size(0),
+                "paged_attention: cascade_starts must be [groups + 1] offsets into cascade_seqs");
+    for (int64_t c = 0; c < C; ++c) {
+      std::vector<int64_t> tokens;
+      TORCH_CHECK(cst[c + 1] > cst[c] && cb[c] > 0, "paged_attention: an empty shared-prefix group");
+      for (int64_t x = cst[c]; x < cst[c + 1]; ++x) {
+        const int64_t b = cs[x];
+        TORCH_CHECK(b >= 0 && b < B && skip[b] == 0, "paged_attention: a sequence in no or several groups");
+        TORCH_CHECK(cb[c] * BS <= sl[b] - (qs[b + 1] - qs[b]),
+                    "paged_attention: a shared prefix must lie before every query token of its group");
+        TORCH_CHECK(std::equal(bt + b * g.max_blocks, bt + b * g.max_blocks + cb[c], bt + cs[cst[c]] * g.max_blocks),
+                    "paged_attention: a group's block tables must begin with the same blocks");
+        skip[b] = cb[c];
+        for (int64_t t = qs[b]; t < qs[b + 1]; ++t) tokens.push_back(t);
+      }
+      std::vector<int64_t> limits(tokens.size(), cb[c] * BS);
+      add_items(shared, bt + cs[cst[c]] * g.max_blocks, 0, cb[c] * BS, tokens, limits, false, false, g);
+    }
+  }
+  std::vector<Item> own;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t Q = qs[b + 1] - qs[b];
+    if (Q == 0) continue;
+    std::vector<int64_t> tokens(Q), limits(Q);
+    for (int64_t i = 0; i < Q; ++i) tokens[i] = qs[b] + i, limits[i] = sl[b] - Q + i + 1;
+    add_items(own, bt + b * g.max_blocks, skip[b], sl[b], tokens, limits, skip[b] > 0, true, g);
+  }
+
+  auto out = torch::empty_like(q);
+  torch::Tensor ml;
+  State st{out.data_ptr<float>(), nullptr, nullptr};
+  if (!shared.empty()) {
+    ml = torch::empty({2, T * Hq}, q.options());
+    st.m = ml.data_ptr<float>(), st.l = st.m + T * Hq;
+  }
+  const float fscale = static_cast<float>(scale);
+  if (!shared.empty()) dispatch_dtype(shared, q.data_ptr<float>(), kv, sp, g, fscale, st);
+  dispatch_dtype(own, q.data_ptr<float>(), kv, sp, g, fscale, st);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "paged attention, decode and prefill (CPU; float32 queries, a float32, int8 or fp8 e4m3 cache; optional "
+        "shared-prefix groups)",
+        py::arg("q"), py::arg("kv"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("query_start") = py::none(), py::arg("kv_scales") = py::none(), py::arg("cascade_seqs") = py::none(),
+        py::arg("cascade_starts") = py::none(), py::arg("cascade_blocks") = py::none());
+  // The decode kernel's name, kept for its callers: the same kernel.
+  m.def("paged_decode_attention", &paged_attention, "alias of paged_attention", py::arg("q"), py::arg("kv"),
+        py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("query_start") = py::none(),
+        py::arg("kv_scales") = py::none(), py::arg("cascade_seqs") = py::none(),
+        py::arg("cascade_starts") = py::none(), py::arg("cascade_blocks") = py::none());
+}
