@@ -13,7 +13,7 @@ import torch
 
 from conftest import ATTENTION_BACKENDS, make_tiny_checkpoint, run_to_completion, step_until_idle
 from kvserve.attention.backend import CommonAttentionMetadata
-from kvserve.attention.cpu_kernels import load_paged_decode
+from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.config import EngineArgs
@@ -31,7 +31,7 @@ needs_bf16 = pytest.mark.skipif(not cpu_features.native_bf16(), reason="this CPU
 
 
 def _kernel_or_skip():
-    kernel = load_paged_decode()
+    kernel = load_paged_attention()
     if kernel is None:
         pytest.skip("no C++ toolchain to build the paged decode kernel")
     return kernel
