@@ -51,8 +51,8 @@ def _replay(truth: _Truth, target_ms: float, noise: float, spikes: float, seed: 
             elif rid.startswith("long"):
                 long_tokens += n
                 first = first or (n, req.num_computed_tokens, req.num_prompt_tokens - req.num_computed_tokens)
-        spike = 3.0 if rng.random() < spikes else 1.0
-        seconds = truth.predict(carried) * float(rng.lognormal(0.0, noise)) * spike
+        jitter = float(rng.lognormal(0.0, noise))
+        seconds = truth.predict(carried) * jitter * (3.0 if rng.random() < spikes else 1.0)
         steps.append((decodes, first, long_tokens, truth.predict(carried)))
         done = [sched.requests[r] for r, n in out.num_scheduled_tokens.items()
                 if sched.requests[r].num_computed_tokens + n == sched.requests[r].num_tokens]
