@@ -121,8 +121,13 @@ class OnlineStepCost:
         # NOTE: weighted by 1 / seconds^2, i.e. a fit of relative error: step-time noise is proportional to the
         # step (a 1 s prompt step jitters by more than a whole 30 ms decode step takes), and plain least squares
         # would spend the fit on the big steps, leaving decode steps -- the ones the latency target is
-        # about -- off by a large fraction.
-        w = 1.0 / (seconds * seconds)
+        # about -- off by a large fraction. The scale is the larger of the predicted and the measured time:
+        # the measurement alone favours the steps that happened to run fast, biasing every prediction low
+        # (~13% with 30% jitter, as on a contended machine: steps beside decodes then overshot the target);
+        # the prediction alone gives a step that another process stalled 3x its full weight (chunks then
+        # came out ~0.6x what the machine allows in the replay).
+        scale = max(float(x @ self._coef), seconds)
+        w = 1.0 / (scale * scale)
         self._xx = self.decay * self._xx + w * np.outer(x, x)
         self._xy = self.decay * self._xy + w * x * seconds
         self._coef = _nonnegative_solve(self._xx + self._ridge, self._xy + self._ridge @ self.prior)
