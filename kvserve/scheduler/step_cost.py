@@ -67,7 +67,7 @@ class StepCost(Protocol):
         ...
 
 
-# Units the coefficients are fitted in, so that each is O(1) and one ridge strength suits all of them.
+# Units the coefficients are fitted in, so that each is O(1) and the solves are well conditioned.
 _SCALE = np.array([1.0, 256.0, 16.0, 16384.0, 262144.0])
 # Prior in seconds per unit above: SmolLM2-135M fp32 on 2 cores (README: a 16-decode step ~55 ms, a
 # 32-64-decode step of `mixed` ~165 ms, a 512-token prompt step ~450 ms): ~35 ms a step (the weights are
@@ -118,7 +118,7 @@ class OnlineStepCost:
         if features.num_tokens <= 0 or not seconds > 0.0:
             return
         x = _vector(features)
-        # NOTE: weighted by 1 / seconds^2, i.e. a fit of relative error: step-time noise is proportional to the
+        # NOTE: weighted by 1 / (step time)^2, i.e. a fit of relative error: step-time noise is proportional to the
         # step (a 1 s prompt step jitters by more than a whole 30 ms decode step takes), and plain least squares
         # would spend the fit on the big steps, leaving decode steps -- the ones the latency target is
         # about -- off by a large fraction. The scale is the larger of the predicted and the measured time:
@@ -151,8 +151,8 @@ class OnlineStepCost:
 def _nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """argmin over c >= 0 of c'Ac - 2b'c (A positive definite): solve, pin the negative coefficients at 0 and
     solve for the rest, until none is negative (pins only grow: not exact NNLS, enough for 5 features with a
-    ridge). Nothing a step carries makes it faster, and a prediction
-    must not fall as a chunk grows (largest_chunk's binary search relies on it)."""
+    prior). Nothing a step carries makes it faster, and a prediction must not fall as a chunk grows
+    (largest_chunk's binary search relies on it)."""
     free = np.ones(len(b), dtype=bool)
     coef = np.zeros(len(b))
     for _ in range(len(b)):
