@@ -28,6 +28,8 @@ def test_both_settings_measured(tiny_llama, tmp_path, capsys):
         assert 0 < r["short_itl"]["median_ms"] <= r["short_itl"]["p99_ms"]
         assert r["long_ttft"]["median_ms"] > 0 and r["mixed_total_tps"] > 0
     assert "vs fixed" in out and "1.000x" in out
+    assert "[itl] target 0.001 ms: fitted step cost" in out and "ms/token" in results[0]["step_cost"]
+    assert "fitted step cost" not in out.split("[itl] target 0 ms")[1]
 
 
 def test_bad_targets_exit_2(tmp_path, capsys):

@@ -113,7 +113,7 @@ def _trace(sched: Scheduler, seed: int) -> list[dict[str, int]]:
     """A random arrival pattern; the schedule of every step."""
     rng = random.Random(seed)
     steps, next_id = [], 0
-    for step in range(300):
+    for step in range(600):
         if next_id < 30 and (step < 3 or rng.random() < 0.2):
             sched.add_request(_request(str(next_id), rng.randint(1, 700), rng.randint(1, 40), seed))
             next_id += 1

@@ -78,6 +78,24 @@ def test_coefficients_never_negative_and_bad_observations_ignored():
     assert cost.predict(big) >= cost.predict(small)
     with pytest.raises(ValueError, match="decay"):
         OnlineStepCost(decay=0.0)
+    with pytest.raises(ValueError, match="prior_strength"):
+        OnlineStepCost(prior_strength=0.0)
+
+
+def test_decode_only_steps_leave_a_prompt_chunk_near_the_prior():
+    """Decode-only steps of a constant batch cannot tell the per-step, per-token and per-sequence costs
+    apart (tokens == sequences == 16 every step): the fit must match them without charging a prompt token
+    for what is really a per-step cost (which shrank chunks to the floor) or the reverse."""
+    cost, prior = OnlineStepCost(), OnlineStepCost()
+    rng = np.random.default_rng(2)
+    for step in range(300):
+        decodes = sum((StepFeatures.of_request(100 + step, 1) for _ in range(16)), StepFeatures())
+        cost.observe(decodes, (0.045 + 2e-6 * decodes.num_context_tokens) * (1 + 0.1 * rng.standard_normal()))
+    decodes = sum((StepFeatures.of_request(400, 1) for _ in range(16)), StepFeatures())
+    assert cost.predict(decodes) == pytest.approx(0.045 + 2e-6 * decodes.num_context_tokens, rel=0.1)
+    chunk = decodes + StepFeatures.of_request(0, 128)
+    extra, prior_extra = (c.predict(chunk) - c.predict(decodes) for c in (cost, prior))
+    assert 0.5 < extra / prior_extra < 2.0, cost.describe()
 
 
 def test_largest_chunk_is_the_largest_that_fits():
@@ -96,8 +114,14 @@ def test_latency_budget_counts_earlier_chunks_floor_and_relative_target():
     decodes = StepFeatures(10, 10, 1000, 1000)   # predicted 20 ms
     budget = LatencyBudget(cost, 0.050, decodes)
     assert budget.cap(0, 500) == 30               # 20 + 30 = 50 ms
-    assert budget.cap(0, 500) == MIN_PROMPT_CHUNK  # nothing left: the floor keeps prompts moving
-    assert budget.cap(0, 3) == 3
+    assert budget.cap(0, 500) == 0                # nothing left: this prompt waits a step
+    assert budget.cap(0, 3) == 0
+    assert budget.carried == decodes + StepFeatures.of_request(0, 30)
+    full = LatencyBudget(cost, 0.020, decodes)    # decodes alone fill the target (and 2x rule: 40 ms)
+    assert full.cap(0, 500) == 20
+    floor = LatencyBudget(LinearStepCost(base=0.01, per_token=0.01), 0.001, StepFeatures(1, 1, 10, 10))
+    assert floor.cap(0, 500) == MIN_PROMPT_CHUNK  # nothing fits: the step's first prompt still moves
+    assert floor.cap(0, 500) == 0                 # only the first: one prompt moving is progress
     many = StepFeatures(30, 30, 3000, 3000)
     slow = LatencyBudget(LinearStepCost(per_token=0.002), 0.050, many)  # decodes alone 60 ms > target
     assert slow.target_s == pytest.approx(0.12)

@@ -5,7 +5,8 @@ For each setting a fresh engine is built and warmed up, then `interference` is r
 times on the wall clock (the engine is stepped by hand; requests join when their time comes) and `mixed`
 is run with every request queued at once. Reported: the ITL p50 / p99 of interference's requests that
 arrive at t=0 (the short ones, measured between the steps that give them tokens, as a streaming client
-sees them), the long prompts' TTFT, and mixed's total tok/s with its ratio to the fixed budget. The
+sees them), the long prompts' TTFT, mixed's total tok/s with its ratio to the fixed budget, and the step
+cost model's coefficients as fitted by the end of each setting's run (scheduler/step_cost.py). The
 issue's targets: short ITL p99 <= 3x p50 with default flags; mixed within 3% of the fixed budget.
 """
 from __future__ import annotations
@@ -77,11 +78,13 @@ def measure(args: EngineArgs, interference: list[WorkloadRequest], mixed: list[W
     replay(engine, [dataclasses.replace(r, arrival_s=0.0) for r in mixed], "m-")
     seconds = time.perf_counter() - start
     tokens = sum(len(r.prompt_token_ids) + r.max_tokens for r in mixed)
-    del engine
+    cost = engine.scheduler.step_cost
+    fitted = cost.describe() if hasattr(cost, "describe") else repr(cost)
+    del engine, cost
     gc.unfreeze()  # NOTE: frozen objects are never collected: the next setting's engine would sit beside this one
     gc.collect()
     return {"target_itl_ms": args.target_itl_ms, "short_itl": _stats(short), "long_ttft": _stats(long_ttft),
-            "mixed_seconds": seconds, "mixed_total_tps": tokens / seconds}
+            "mixed_seconds": seconds, "mixed_total_tps": tokens / seconds, "step_cost": fitted}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         r = results[-1]
         print(f"[itl] target {target:g} ms: short ITL p50 {r['short_itl']['median_ms']:.0f} ms, "
               f"p99 {r['short_itl']['p99_ms']:.0f} ms; mixed {r['mixed_total_tps']:.1f} tok/s", flush=True)
+        if target > 0:  # NOTE: with 0 the model is not fitted (the prior): nothing to see
+            print(f"[itl] target {target:g} ms: fitted step cost {r['step_cost']}", flush=True)
     fixed = next((r for r in results if r["target_itl_ms"] == 0), results[-1])
     print(f"\n{'--target-itl-ms':>16}{'short ITL p50':>15}{'p99':>8}{'p99/p50':>9}{'long TTFT p50':>15}"
           f"{'mixed tok/s':>13}{'vs fixed':>10}")

@@ -131,6 +131,9 @@ class Scheduler:
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget, chunk_cap)
             if latency is not None and num_new > 1 and not req.spec_token_ids:
                 num_new = latency.cap(req.num_computed_tokens, num_new)
+                if num_new == 0:  # the step is full: this prompt's next chunk waits a step
+                    i += 1
+                    continue
             if not cfg.enable_chunked_prefill and req.num_tokens - req.num_computed_tokens > budget:
                 i += 1
                 continue
@@ -172,6 +175,8 @@ class Scheduler:
                 num_new = min(num_new, budget, chunk_cap)
                 if latency is not None and num_new > 1:
                     num_new = latency.cap(num_hit, num_new)
+                    if num_new == 0:
+                        break  # the step is full; FCFS: it is admitted first next step
             elif num_new > budget:
                 break
             req.num_computed_tokens = num_hit

@@ -6,11 +6,22 @@ attention streams) and `pairs` the query-key pairs it scores (a prompt chunk of 
 ones scores n (c + n) of them; attention FLOPs grow with it). The linears' cost is in `tokens`, per-request
 bookkeeping and sampling in `sequences`.
 
-The fit is exponentially weighted least squares of relative error with a ridge pull towards a prior (a rough figure for a
-small model on a 2-core CPU), held at a fixed strength rather than decayed: directions the recent steps do
-not excite (say, no prompt chunk for a while) stay at the prior or at what was last learnt, instead of
-drifting as recursive least squares with forgetting does (covariance wind-up). Five features: one 5x5
-solve per step, a few microseconds.
+The fit is exponentially weighted least squares of relative error with a pull towards a prior (a rough
+figure for a small model on a 2-core CPU), held at a fixed strength rather than decayed: directions
+the recent steps do not excite (say, no prompt chunk for a while) stay at the prior or at what was last
+learnt, instead of drifting as recursive least squares with forgetting does (covariance wind-up).
+
+Two things keep it sane on real traffic, where most steps are decode-only and so tokens == sequences and
+the number of sequences barely changes (the intercept, tokens and sequences are then one direction):
+- The prior is a few pseudo-steps of typical shapes (decodes of 1, 16, 64 sequences, a 512-token prompt, a
+  chunk beside decodes, a chunk after a long context) timed by the prior, `prior_strength` steps' worth,
+  in the same relative error as the data: it holds the directions decode-only traffic leaves unexcited.
+  The former absolute ridge weighed ~1e-4 of one step, so those directions were left to noise.
+- The coefficients are a non-negative least squares solution (an active set: solve, pin the negative ones
+  at 0, solve again), not a clamp of the free solution: clamping one coefficient of a collinear pair
+  without refitting the others over-predicted decode steps 3.6x in a replay (tests/test_step_cost_replay.py),
+  which the 2x-decode rule then turned into 400 ms steps.
+Five features: a few 5x5 solves per step, some microseconds.
 """
 from __future__ import annotations
 
@@ -56,27 +67,48 @@ class StepCost(Protocol):
         ...
 
 
-# Units the coefficients are fitted in, so that each is O(1) and one ridge strength suits all of them.
+# Units the coefficients are fitted in, so that each is O(1) and the solves are well conditioned.
 _SCALE = np.array([1.0, 256.0, 16.0, 16384.0, 262144.0])
-# Prior in seconds per unit above: SmolLM2-135M fp32 on 2 cores (`kvserve bench steps`): ~5 ms a step,
-# ~1.2 ms a token through the linears, ~0.3 ms a sequence, ~3 us a context token (46 KB of K/V at
-# ~17 GB/s), ~1.5 us a query-key pair (69 kFLOP). A larger model or a faster machine corrects it within a few steps.
-_PRIOR = np.array([0.005, 0.30, 0.005, 0.05, 0.4])
+# Prior in seconds per unit above: SmolLM2-135M fp32 on 2 cores (README: a 16-decode step ~55 ms, a
+# 32-64-decode step of `mixed` ~165 ms, a 512-token prompt step ~450 ms): ~35 ms a step (the weights are
+# read once a step), ~0.6 ms a token through the linears, ~0.1 ms a sequence, ~2.5 us a context token
+# (46 KB of K/V at ~17 GB/s), ~0.4 us a query-key pair. A larger model or a faster machine corrects it
+# within a few steps.
+_PRIOR = np.array([0.035, 0.6e-3, 0.1e-3, 2.5e-6, 0.4e-6]) * _SCALE
 
 
 def _vector(f: StepFeatures) -> np.ndarray:
     return np.array([1.0, f.num_tokens, f.num_seqs, f.num_context_tokens, f.num_pairs]) / _SCALE
 
 
+def _decodes(n: int, context: int) -> StepFeatures:
+    return StepFeatures(n, n, n * context, n * context)
+
+
+# Shapes the prior is anchored at (they span all five directions: decode-only steps alone do not).
+_PSEUDO_STEPS = (_decodes(1, 100), _decodes(16, 300), _decodes(64, 500), StepFeatures.of_request(0, 512),
+                 _decodes(16, 300) + StepFeatures.of_request(1500, 128), StepFeatures.of_request(1900, 64))
+
+
 class OnlineStepCost:
     """StepCost fitted to the steps the engine runs (see the module docstring)."""
 
-    def __init__(self, decay: float = 0.98, prior_strength: float = 0.05, prior: np.ndarray | None = None):
+    def __init__(self, decay: float = 0.98, prior_strength: float = 0.5, prior: np.ndarray | None = None):
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay = decay
         self.prior = np.array(_PRIOR if prior is None else prior, dtype=np.float64)
-        self._ridge = prior_strength * np.eye(len(self.prior))
+        if (self.prior <= 0).any():
+            raise ValueError(f"prior coefficients must be > 0, got {self.prior}")
+        if prior_strength <= 0:
+            raise ValueError(f"prior_strength must be > 0, got {prior_strength}")
+        # NOTE: the prior enters as a few pseudo-steps of typical shapes timed by the prior, prior_strength
+        # steps' worth in all (never decayed): a pull measured in the same relative error as the data, and
+        # spread over directions the way real steps weigh them, so a coefficient that matters little to
+        # any step (per sequence) is not held at its prior any harder than one that matters a lot.
+        pseudo = np.array([_vector(f) for f in _PSEUDO_STEPS])
+        w = prior_strength / len(pseudo) / (pseudo @ self.prior) ** 2
+        self._ridge = (pseudo * w[:, None]).T @ pseudo
         self._xx = np.zeros((len(self.prior), len(self.prior)))
         self._xy = np.zeros(len(self.prior))
         self._coef = self.prior.copy()
@@ -86,17 +118,19 @@ class OnlineStepCost:
         if features.num_tokens <= 0 or not seconds > 0.0:
             return
         x = _vector(features)
-        # NOTE: weighted by 1 / seconds^2, i.e. a fit of relative error: step-time noise is proportional to the
+        # NOTE: weighted by 1 / (step time)^2, i.e. a fit of relative error: step-time noise is proportional to the
         # step (a 1 s prompt step jitters by more than a whole 30 ms decode step takes), and plain least squares
         # would spend the fit on the big steps, leaving decode steps -- the ones the latency target is
-        # about -- off by a large fraction.
-        w = 1.0 / (seconds * seconds)
+        # about -- off by a large fraction. The scale is the larger of the predicted and the measured time:
+        # the measurement alone favours the steps that happened to run fast, biasing every prediction low
+        # (~13% with 30% jitter, as on a contended machine: steps beside decodes then overshot the target);
+        # the prediction alone gives a step that another process stalled 3x its full weight (chunks then
+        # came out ~0.6x what the machine allows in the replay).
+        scale = max(float(x @ self._coef), seconds)
+        w = 1.0 / (scale * scale)
         self._xx = self.decay * self._xx + w * np.outer(x, x)
         self._xy = self.decay * self._xy + w * x * seconds
-        coef = np.linalg.solve(self._xx + self._ridge, self._xy + self._ridge @ self.prior)
-        # NOTE: nothing a step carries makes it faster; a negative coefficient (noise, collinear features such
-        # as tokens == sequences in decode-only steps) would let a prediction fall as a chunk grows.
-        self._coef = np.maximum(coef, 0.0)
+        self._coef = _nonnegative_solve(self._xx + self._ridge, self._xy + self._ridge @ self.prior)
         self.num_observed += 1
 
     @property
@@ -106,6 +140,31 @@ class OnlineStepCost:
 
     def predict(self, features: StepFeatures) -> float:
         return float(_vector(features) @ self._coef)
+
+    def describe(self) -> str:
+        """The fitted coefficients in readable units (bench itl prints them)."""
+        c = self.coefficients
+        return (f"{c[0] * 1e3:.1f} ms/step + {c[1] * 1e3:.3f} ms/token + {c[2] * 1e3:.3f} ms/seq + "
+                f"{c[3] * 1e6:.2f} us/context token + {c[4] * 1e6:.3f} us/pair ({self.num_observed} steps)")
+
+
+def _nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin over c >= 0 of c'Ac - 2b'c (A positive definite): solve, pin the negative coefficients at 0 and
+    solve for the rest, until none is negative (pins only grow: not exact NNLS, enough for 5 features with a
+    prior). Nothing a step carries makes it faster, and a prediction must not fall as a chunk grows
+    (largest_chunk's binary search relies on it)."""
+    free = np.ones(len(b), dtype=bool)
+    coef = np.zeros(len(b))
+    for _ in range(len(b)):
+        coef[:] = 0.0
+        coef[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+        if (coef >= 0).all():
+            break
+        free &= coef > 0
+        if not free.any():
+            coef[:] = 0.0
+            break
+    return np.maximum(coef, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,18 +197,25 @@ class LatencyBudget:
     The step may take target_s, or twice what its decodes alone are predicted to take where that is longer
     (a model whose decode step alone exceeds the target would otherwise see its prompts crawl at
     MIN_PROMPT_CHUNK tokens a step). Chunks are taken in scheduling order, each predicted beside the decodes
-    and the chunks before it."""
+    and the chunks before it. Only the step's first prompt chunk is granted the MIN_PROMPT_CHUNK floor: one
+    prompt moving is enough to guarantee progress, and a floor for every waiting prompt pushed a replayed
+    step with 4 of them 30% over the target; a later prompt that does not fit gets 0 (it waits)."""
 
     def __init__(self, cost: StepCost, target_s: float, decodes: StepFeatures):
         self.cost = cost
         self.target_s = max(target_s, 2.0 * cost.predict(decodes))
         self.carried = decodes
+        self._floor_used = False
 
     def cap(self, num_computed: int, num_new: int) -> int:
-        """The chunk a prompt num_computed tokens in gets this step (at most num_new), now counted in."""
-        n = max(largest_chunk(self.cost, self.carried, num_computed, num_new, self.target_s),
-                min(num_new, MIN_PROMPT_CHUNK))
-        self.carried = self.carried + StepFeatures.of_request(num_computed, n)
+        """The chunk a prompt num_computed tokens in gets this step (at most num_new; 0: none this step), now
+        counted in."""
+        n = largest_chunk(self.cost, self.carried, num_computed, num_new, self.target_s)
+        if not self._floor_used:
+            n = max(n, min(num_new, MIN_PROMPT_CHUNK))
+            self._floor_used = True
+        if n:
+            self.carried = self.carried + StepFeatures.of_request(num_computed, n)
         return n
 
 
