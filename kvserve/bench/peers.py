@@ -77,6 +77,8 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     _KVSERVE,
     _variant(_KVSERVE, "kvserve-itl", extra_args=("--long-prefill-token-threshold", "16"),
              notes="the same with --long-prefill-token-threshold 16 (caps prompt chunks beside decodes)"),
+    _variant(_KVSERVE, "kvserve-fixed", extra_args=("--target-itl-ms", "0"),
+             notes="the same with --target-itl-ms 0 (the fixed step budget: no latency-aware chunk sizing)"),
     _VLLM,
     _OPENVINO,
     _LLAMACPP,
@@ -107,7 +109,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
 
 # `--peers` accepts these names for sets of rows; "fp32" is the default.
 PRESETS: dict[str, tuple[str, ...]] = {
-    "fp32": ("kvserve", "kvserve-itl", "vllm", "openvino", "llamacpp", "transformers"),
+    "fp32": ("kvserve", "kvserve-fixed", "kvserve-itl", "vllm", "openvino", "llamacpp", "transformers"),
     "quant": ("kvserve", "kvserve-int8", "kvserve-gguf", "kvserve-kv8", "llamacpp-q8_0", "llamacpp-q4_1",
               "openvino-int8", "openvino-int4"),
     "default-precision": ("kvserve", "kvserve-bf16", "vllm", "vllm-bf16", "openvino", "openvino-default"),
