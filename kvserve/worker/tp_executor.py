@@ -43,7 +43,34 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed: the engine cannot step any more."""
 
 
-class MultiprocExecutor:
+class DriverCalls:
+    """The executor's calls as the driver (rank 0) makes them, whatever started the other ranks: it needs
+    `worker`, `group`, `_worker_blocks`, `_failed`, `_sampled` and `_collective` (which turns a broken group
+    into a TensorParallelError)."""
+
+    def determine_num_blocks(self) -> int:
+        """The smallest budget of any rank: every rank holds the same block ids (each its heads' share)."""
+        return min([self.worker.determine_num_blocks()] + self._worker_blocks)
+
+    def init_kv_cache(self, num_blocks: int) -> KVCacheSpec:
+        self._collective(lambda: self.group.broadcast_object(num_blocks))
+        return self.worker.init_kv_cache(num_blocks)
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self._failed is not None:
+            raise TensorParallelError(self._failed)
+        # NOTE: the grammar bitmask is read by the sampler alone, which runs here
+        shared = out if out.grammar_bitmask is None else dataclasses.replace(
+            out, grammar_bitmask=None, structured_output_request_ids={})
+        msg = StepMessage(shared, self._sampled, driver_lora_slots(self.worker, out))
+        self._collective(lambda: self.group.broadcast_object(msg))
+        self.group.stats.steps += 1
+        result = self._collective(lambda: self.worker.execute_model(out))
+        self._sampled = dict(zip(result.req_ids, result.sampled_token_ids))
+        return result
+
+
+class MultiprocExecutor(DriverCalls):
     def __init__(self, config: EngineConfig):
         if dist.is_initialized():
             raise ValueError("this process already holds a torch.distributed group (another tensor-parallel "
@@ -100,28 +127,6 @@ class MultiprocExecutor:
             if pending:
                 time.sleep(_POLL_S)
         return [values[r] for r in range(1, self.size)]
-
-    # ---- the executor's calls ---------------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        """The smallest budget of any rank: every rank holds the same block ids (each its heads' share)."""
-        return min([self.worker.determine_num_blocks()] + self._worker_blocks)
-
-    def init_kv_cache(self, num_blocks: int) -> KVCacheSpec:
-        self._collective(lambda: self.group.broadcast_object(num_blocks))
-        return self.worker.init_kv_cache(num_blocks)
-
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        if self._failed is not None:
-            raise TensorParallelError(self._failed)
-        # NOTE: the grammar bitmask is read by the sampler alone, which runs here
-        shared = out if out.grammar_bitmask is None else dataclasses.replace(
-            out, grammar_bitmask=None, structured_output_request_ids={})
-        msg = StepMessage(shared, self._sampled, driver_lora_slots(self.worker, out))
-        self._collective(lambda: self.group.broadcast_object(msg))
-        self.group.stats.steps += 1
-        result = self._collective(lambda: self.worker.execute_model(out))
-        self._sampled = dict(zip(result.req_ids, result.sampled_token_ids))
-        return result
 
     def _collective(self, fn):
         """Run `fn` (which pairs with the followers); a broken group becomes a TensorParallelError naming

@@ -27,11 +27,8 @@ import torch.distributed as dist
 
 from kvserve.config.engine import EngineConfig
 from kvserve.distributed.comm import TPGroup
-from kvserve.kv_cache.layout import KVCacheSpec
-from kvserve.scheduler.output import SchedulerOutput
-from kvserve.worker.runner_output import ModelRunnerOutput
-from kvserve.worker.tp_executor import TensorParallelError, _is_comm_error
-from kvserve.worker.tp_worker import StepMessage, WorkerSpec, driver_lora_slots, follow, hello_key
+from kvserve.worker.tp_executor import DriverCalls, TensorParallelError, _is_comm_error
+from kvserve.worker.tp_worker import WorkerSpec, follow, hello_key
 from kvserve.worker.worker import Worker
 
 logger = logging.getLogger("kvserve")
@@ -86,7 +83,7 @@ class RayFollower:
             self.group.close()
 
 
-class RayExecutor:
+class RayExecutor(DriverCalls):
     def __init__(self, config: EngineConfig):
         if dist.is_initialized():
             raise ValueError("this process already holds a torch.distributed group (another tensor-parallel "
@@ -173,26 +170,6 @@ class RayExecutor:
         except ray.exceptions.RayError as e:
             raise TensorParallelError(f"tensor-parallel worker rank {rank} (Ray actor) died before it could "
                                       f"{what}: {type(e).__name__}") from None
-
-    # ---- the executor's calls ---------------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        return min([self.worker.determine_num_blocks()] + self._worker_blocks)
-
-    def init_kv_cache(self, num_blocks: int) -> KVCacheSpec:
-        self._collective(lambda: self.group.broadcast_object(num_blocks))
-        return self.worker.init_kv_cache(num_blocks)
-
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        if self._failed is not None:
-            raise TensorParallelError(self._failed)
-        shared = out if out.grammar_bitmask is None else dataclasses.replace(
-            out, grammar_bitmask=None, structured_output_request_ids={})
-        msg = StepMessage(shared, self._sampled, driver_lora_slots(self.worker, out))
-        self._collective(lambda: self.group.broadcast_object(msg))
-        self.group.stats.steps += 1
-        result = self._collective(lambda: self.worker.execute_model(out))
-        self._sampled = dict(zip(result.req_ids, result.sampled_token_ids))
-        return result
 
     def _collective(self, fn):
         try:
