@@ -23,6 +23,7 @@ from kvserve.layers.linear_methods import DenseMethod, OneDNNPackedMethod, defau
 from kvserve.models.layer_ops import LayerOps, load_fused_layer_ops
 from kvserve.sampling_params import SamplingParams
 from kvserve.utils import cpu_features
+from paged_cache_helpers import scatter_sequences
 from test_attention import _dense_decode
 from test_model_equivalence import _mixed_batch, hf_logits, paged_logits
 
@@ -61,18 +62,7 @@ def _bf16_case(block_size, num_heads, num_kv_heads, head_dim, seed):
     num_blocks = 40
     cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=g).to(torch.bfloat16)
     flat = cache.view(-1, 2, num_kv_heads, head_dim).float()
-    seq_lens = [1, 17, block_size, 3 * block_size + 5, 100]
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, ks, vs = [], [], []
-    for n in seq_lens:
-        blocks = [perm.pop() for _ in range(-(-n // block_size))]
-        tables.append(blocks)
-        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(n)])
-        ks.append(flat[slots, 0])
-        vs.append(flat[slots, 1])
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
+    q, table, seq_lens, tables, ks, vs = scatter_sequences(flat, num_blocks, block_size, num_heads, head_dim, g)
     return q, cache, table, seq_lens, tables, ks, vs
 
 

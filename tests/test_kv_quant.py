@@ -17,6 +17,7 @@ from kvserve.engine.engine import Engine
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.quant import QuantizedKVCache, dequantize, quantize, resolve_kv_cache_dtype
 from kvserve.sampling_params import SamplingParams
+from paged_cache_helpers import scatter_sequences
 from test_attention import _dense_decode
 from test_model_equivalence import _mixed_batch, hf_logits, paged_logits
 
@@ -98,18 +99,7 @@ def _quantized_case(dtype, block_size, num_heads, num_kv_heads, head_dim, seed):
     full *= torch.rand(num_blocks, block_size, 2, num_kv_heads, 1, generator=g) * 4   # per-token magnitudes
     values, scales = quantize(full, dtype)
     deq = dequantize(values, scales).view(-1, 2, num_kv_heads, head_dim)
-    seq_lens = [1, 17, block_size, 3 * block_size + 5, 100]
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, ks, vs = [], [], []
-    for n in seq_lens:
-        blocks = [perm.pop() for _ in range(-(-n // block_size))]
-        tables.append(blocks)
-        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(n)])
-        ks.append(deq[slots, 0])
-        vs.append(deq[slots, 1])
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
+    q, table, seq_lens, tables, ks, vs = scatter_sequences(deq, num_blocks, block_size, num_heads, head_dim, g)
     return q, QuantizedKVCache(values, scales), table, seq_lens, tables, ks, vs
 
 

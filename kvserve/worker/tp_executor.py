@@ -70,6 +70,16 @@ class DriverCalls:
         return result
 
 
+    def _group_failed(self, dead: list[str], e: Exception) -> TensorParallelError:
+        """The group is over: record why (the ranks that died, or the collective's own error), stop every
+        process, and return the error to raise."""
+        what = ", ".join(dead) if dead else f"the process group failed ({type(e).__name__}: {e})"
+        self._failed = f"tensor-parallel worker {what}; the engine cannot continue"
+        logger.error("%s", self._failed)
+        self.shutdown()
+        return TensorParallelError(self._failed)
+
+
 class MultiprocExecutor(DriverCalls):
     def __init__(self, config: EngineConfig):
         if dist.is_initialized():
@@ -144,12 +154,7 @@ class MultiprocExecutor(DriverCalls):
                 raise
             time.sleep(0.2)  # let a dying follower's exit code land
             dead = self._dead_ranks()
-            what = (", ".join(f"rank {r} exited with code {c}" for r, c in dead) if dead
-                    else f"the process group failed ({type(e).__name__}: {e})")
-            self._failed = f"tensor-parallel worker {what}; the engine cannot continue"
-            logger.error("%s", self._failed)
-            self.shutdown()
-            raise TensorParallelError(self._failed) from e
+            raise self._group_failed([f"rank {r} exited with code {c}" for r, c in dead], e) from e
 
     def _dead_ranks(self) -> list[tuple[int, int]]:
         return [(r, p.returncode) for r, p in enumerate(self._procs, 1) if p.poll() is not None]

@@ -182,12 +182,7 @@ class RayExecutor(DriverCalls):
                 self._failed = f"the driver's step failed ({type(e).__name__}: {e}); the engine cannot continue"
                 self.shutdown()
                 raise
-            what = (", ".join(f"rank {r} (Ray actor) {why}" for r, why in dead) if dead
-                    else f"the process group failed ({type(e).__name__}: {e})")
-            self._failed = f"tensor-parallel worker {what}; the engine cannot continue"
-            logger.error("%s", self._failed)
-            self.shutdown()
-            raise TensorParallelError(self._failed) from e
+            raise self._group_failed([f"rank {r} (Ray actor) {why}" for r, why in dead], e) from e
 
     def _dead_ranks(self, wait_s: float = 0.0) -> list[tuple[int, str]]:
         """Ranks whose follow() ended (an actor only returns on the stop message): died, or failed."""
