@@ -173,6 +173,27 @@ def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, kerne
     torch.testing.assert_close(layer(x.reshape(rows, 1, k)).reshape(rows, n), y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["int8 g32", "int4 g32", "gguf Q8_0"])
+def test_dense_path_in_row_chunks_through_one_shared_scratch(name, kernel_path, monkeypatch):
+    """Prefill-sized inputs on a layer bigger than DENSE_CHUNK (the LM head) run in chunks of output rows,
+    the last one partial, through the method's one scratch buffer, which layers of other shapes reuse."""
+    _, method, ggml_type = next(m for m in _methods() if m[0] == name)
+    monkeypatch.setattr(kernels, "DENSE_CHUNK", 64 * 384)
+    monkeypatch.setattr(kernels, "DENSE_CHUNK_ROWS", 48)
+    torch.manual_seed(4)
+    layers = []
+    for n, k in ((160, 384), (40, 256), (224, 384)):  # chunked, whole (fits), chunked again
+        w, bias = torch.randn(n, k) * 0.05, torch.randn(n)
+        loaded = None if ggml_type is None else GGUFWeight(gguf.quants.quantize(w.numpy(), ggml_type), ggml_type,
+                                                           (n, k))
+        layers.append((_linear(w, method, bias, loaded), bias, k))
+    for _ in range(2):
+        for layer, bias, k in layers:
+            x = torch.randn(kernels.DENSE_ROWS + 5, k)
+            torch.testing.assert_close(layer(x), F.linear(x, method.dequantized_weight(layer), bias),
+                                       rtol=1e-5, atol=1e-5)
+
+
 def test_gguf_layer_with_mixed_parts_falls_back_to_dense():
     """A fused layer whose parts are Q8_0 and Q4_1 (or a dequantized type) runs dense on the exact values."""
     from kvserve.layers.linear import MergedColumnParallelLinear

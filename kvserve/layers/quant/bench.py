@@ -26,6 +26,7 @@ from kvserve.layers.quant.int4 import Int4WeightOnlyMethod, quantize_int4
 from kvserve.layers.quant.int8 import Int8WeightOnlyMethod, quantize_int8
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2: qkv, o, gate_up, down
+LM_HEAD = (49152, 576)
 
 
 def _layer(weight: torch.Tensor, method=None, loaded=None) -> nn.Module:
@@ -60,9 +61,25 @@ def _q8_0(w: torch.Tensor):
     return _layer(w, GGUFMethod(OneDNNPackedMethod()), GGUFWeight(blocks, gguf.GGMLQuantizationType.Q8_0, w.shape))
 
 
+def _int8_whole_copy(w: torch.Tensor):
+    """The dense path as it was: the whole weight dequantized into a new float32 tensor per call."""
+    method = Int8WeightOnlyMethod()
+    method.scratch = None
+    layer = _layer(w, method)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        chunk, kernels.DENSE_CHUNK = kernels.DENSE_CHUNK, w.numel()
+        try:
+            return layer(x)
+        finally:
+            kernels.DENSE_CHUNK = chunk
+    return run
+
+
 KERNELS = {
     "fp32 onednn": lambda w: _layer(w, OneDNNPackedMethod()),
     "int8 (ours)": lambda w: _layer(w, Int8WeightOnlyMethod()),
+    "int8 whole copy": _int8_whole_copy,
     "int4 g32 (ours)": lambda w: _layer(w, Int4WeightOnlyMethod(32)),
     "int4 g64 (ours)": lambda w: _layer(w, Int4WeightOnlyMethod(64)),
     "gguf q8_0 (ours)": _q8_0,
@@ -101,21 +118,23 @@ def main() -> None:
                         help="torch threads (1: steadier on a shared machine, where a descheduled OpenMP "
                              "thread stalls every parallel region)")
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--lm-head", action="store_true", help="time the LM head's shape (49152 x 576) instead")
     args = parser.parse_args()
+    shapes = [LM_HEAD] if args.lm_head else SHAPES
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    weights = [[torch.randn(n, k) * 0.02 for n, k in SHAPES] for _ in range(args.layers)]
+    weights = [[torch.randn(n, k) * 0.02 for n, k in shapes] for _ in range(args.layers)]
     print(f"C++ quantized kernels: {'built' if kernels.available() else 'unavailable (PyTorch fallback)'}; "
           f"threads {args.threads}; {args.layers} layers cycled")
     print(f"GGUF Q8_0 rescaled to per-channel int8: relative weight error "
           f"{max(_q8_0_per_channel_error(w) for w in weights[0]):.2e}")
-    print(f"{'kernel':18s} " + " ".join(f"{'M=' + str(m):>14s}" for m in args.rows) + "   ms per decoder layer")
+    print(f"{'kernel':18s} " + " ".join(f"{'M=' + str(m):>14s}" for m in args.rows) + ("   ms per LM head" if args.lm_head else "   ms per decoder layer"))
     base: dict[int, float] = {}
     for name in args.kernels:
         fns = [KERNELS[name](w) for layer in weights for w in layer]
         cells = []
         for m in args.rows:
-            xs = [torch.randn(m, k) for _ in range(args.layers) for _, k in SHAPES]
+            xs = [torch.randn(m, k) for _ in range(args.layers) for _, k in shapes]
             reps = args.reps if m < 512 or not name.startswith("torch") or "bf16" in name else 1
             dt = _time([lambda f=f, x=x: f(x) for f, x in zip(fns, xs)], reps) / args.layers
             base.setdefault(m, dt)

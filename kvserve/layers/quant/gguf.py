@@ -23,6 +23,7 @@ class GGUFMethod:
 
     def __init__(self, dense: LinearMethod):
         self.dense = dense
+        self.scratch = kernels.DenseScratch()
         """The method of layers whose parts are not all kept blocks (see the module docstring)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -51,9 +52,9 @@ class GGUFMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.quant_format == "int4":
-            return kernels.int4_linear(x, layer.qweight, layer.scales, layer.mins, QK, bias)
+            return kernels.int4_linear(x, layer.qweight, layer.scales, layer.mins, QK, bias, self.scratch)
         if layer.quant_format == "int8":
-            return kernels.int8_linear(x, layer.qweight, layer.scales, QK, bias)
+            return kernels.int8_linear(x, layer.qweight, layer.scales, QK, bias, self.scratch)
         return self.dense.apply(layer, x, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:

@@ -35,6 +35,7 @@ class Int4WeightOnlyMethod:
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
         self.group_size = group_size
+        self.scratch = kernels.DenseScratch()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         check_group_size(layer, self.group_size, getattr(layer, "prefix", type(layer).__name__), "int4")
@@ -44,7 +45,8 @@ class Int4WeightOnlyMethod:
         drop_dense_weight(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernels.int4_linear(x, layer.qweight, layer.scales, layer.mins, layer.group_size, bias)
+        return kernels.int4_linear(x, layer.qweight, layer.scales, layer.mins, layer.group_size, bias,
+                                   self.scratch)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """[out, in] float32: the weight apply multiplies by."""

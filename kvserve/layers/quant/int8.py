@@ -38,6 +38,7 @@ class Int8WeightOnlyMethod:
         if group_size != PER_CHANNEL and group_size not in GROUP_SIZES:
             raise ValueError(f"int8 group size must be one of {GROUP_SIZES} or -1 (per channel), got {group_size}")
         self.group_size = group_size
+        self.scratch = kernels.DenseScratch()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.group_size != PER_CHANNEL:
@@ -49,7 +50,7 @@ class Int8WeightOnlyMethod:
         return layer.qweight.shape[1] // layer.scales.shape[1]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernels.int8_linear(x, layer.qweight, layer.scales, self._group(layer), bias)
+        return kernels.int8_linear(x, layer.qweight, layer.scales, self._group(layer), bias, self.scratch)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """[out, in] float32: the weight apply multiplies by."""

@@ -9,6 +9,7 @@ dequantizing in registers for up to 8 rows at a time.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -20,6 +21,27 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "quant_linear.cpp")
 DENSE_ROWS = 24
 """Input rows from which a quantized layer dequantizes and calls the dense matmul (bench.py measures both
 sides: the register kernel wins at decode sizes, oneDNN's blocked GEMM at prefill sizes)."""
+
+DENSE_CHUNK = 1 << 21
+"""Most weights dequantized at once on the dense path (8 MiB of float32, into a DenseScratch). A larger
+layer (the LM head: 49152 x 576) runs in chunks of DENSE_CHUNK_ROWS output rows."""
+
+DENSE_CHUNK_ROWS = 2048
+
+
+@dataclasses.dataclass
+class DenseScratch:
+    """The float32 buffer the dense path dequantizes into, reused across calls (one per linear method, so
+    shared by all the decoder layers that run it): a fresh multi-megabyte tensor per call may be a new
+    mapping whose page faults are paid every time. For the LM head's whole 113 MB float32 copy they cost
+    several times the matmul (`python -m kvserve.layers.quant.bench --lm-head`, row `int8 whole copy`)."""
+
+    buffer: torch.Tensor | None = None
+
+    def take(self, rows: int, k: int) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < rows * k:
+            self.buffer = torch.empty(rows * k, dtype=torch.float32)
+        return self.buffer[: rows * k].view(rows, k)
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,20 +55,23 @@ def available() -> bool:
     return _module() is not None
 
 
-def int8_dequantize(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """q [N, K] int8, scales [N, K / group] float32 -> w [N, K] float32 = q * scale."""
+def int8_dequantize(q: torch.Tensor, scales: torch.Tensor, group: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, K] int8, scales [N, K / group] float32 -> w [N, K] float32 = q * scale (into `out` if given:
+    the C++ kernel writes it in place; the fallback returns a new tensor)."""
     m = _module()
     if m is not None and q.device.type == "cpu":
-        return m.int8_dequantize(q, scales, group)
+        return m.int8_dequantize(q, scales, group, out=out)
     return q.float() * scales.repeat_interleave(group, dim=1)
 
 
-def int4_dequantize(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
+def int4_dequantize(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, K / 2] uint8 (per 32 weights: low nibbles 0..15, high 16..31), scales / mins [N, K / group]
-    -> w [N, K] float32 = code * scale + min."""
+    -> w [N, K] float32 = code * scale + min (into `out` as int8_dequantize)."""
     m = _module()
     if m is not None and q.device.type == "cpu":
-        return m.int4_dequantize(q, scales, mins, group)
+        return m.int4_dequantize(q, scales, mins, group, out=out)
     n = q.shape[0]
     blocks = q.reshape(n, -1, 16)
     codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).reshape(n, -1).float()         # [N, K]
@@ -65,14 +90,36 @@ def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     return F.linear(x, w, bias)
 
 
+def _dense_chunked(x2: torch.Tensor, n_out: int, dequantize, bias: torch.Tensor | None,
+                   scratch: DenseScratch | None) -> torch.Tensor:
+    """x2 [M, K] -> [M, n_out] through `_dense`, with dequantize(start, stop, out) -> rows start:stop of the
+    weight (written into `out`, a slice of the scratch buffer, or None: a new tensor)."""
+    k = x2.shape[1]
+    rows = n_out if n_out * k <= DENSE_CHUNK else DENSE_CHUNK_ROWS
+    buffer = None if scratch is None else scratch.take(rows, k)
+
+    def part(start: int, stop: int) -> torch.Tensor:
+        w = dequantize(start, stop, None if buffer is None else buffer[: stop - start])
+        return _dense(x2, w, None if bias is None else bias[start:stop])
+
+    if n_out <= rows:
+        return part(0, n_out)
+    y = torch.empty(x2.shape[0], n_out, dtype=x2.dtype, device=x2.device)
+    for start in range(0, n_out, rows):
+        stop = min(n_out, start + rows)
+        y[:, start:stop] = part(start, stop)
+    return y
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, scratch: DenseScratch | None = None) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] with w = int8_dequantize(q, scales, group)."""
     x2 = _rows(x)
     m = _module()
     if (m is None or x2.shape[0] >= DENSE_ROWS or x2.dtype != torch.float32 or x2.device.type != "cpu"
             or group % 32):  # the kernel reads whole runs of 32 weights
-        y = _dense(x2, int8_dequantize(q, scales, group), bias)
+        y = _dense_chunked(x2, q.shape[0], lambda a, b, out: int8_dequantize(q[a:b], scales[a:b], group, out),
+                           bias, scratch)
     else:
         y = m.int8_linear(x2, q, scales, group)
         y = y if bias is None else y + bias
@@ -80,12 +127,14 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: i
 
 
 def int4_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, scratch: DenseScratch | None = None) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] with w = int4_dequantize(q, scales, mins, group)."""
     x2 = _rows(x)
     m = _module()
     if m is None or x2.shape[0] >= DENSE_ROWS or x2.dtype != torch.float32 or x2.device.type != "cpu":
-        y = _dense(x2, int4_dequantize(q, scales, mins, group), bias)
+        y = _dense_chunked(x2, q.shape[0],
+                           lambda a, b, out: int4_dequantize(q[a:b], scales[a:b], mins[a:b], group, out),
+                           bias, scratch)
     else:
         y = m.int4_linear(x2, q, scales, mins, group)
         y = y if bias is None else y + bias

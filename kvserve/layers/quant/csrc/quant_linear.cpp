@@ -166,9 +166,17 @@ void linear_rows(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t k
   }
 }
 
+// Into `out` when given (a caller's reused buffer: a fresh multi-megabyte tensor per call pays page faults).
 template <typename RowFn>
-torch::Tensor dequantize(int64_t n_out, int64_t k, RowFn row) {
-  auto w = torch::empty({n_out, k}, torch::kFloat32);
+torch::Tensor dequantize(int64_t n_out, int64_t k, const c10::optional<torch::Tensor>& out, RowFn row) {
+  torch::Tensor w;
+  if (out.has_value()) {
+    w = *out;
+    TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.dim() == 2 && w.size(0) == n_out &&
+                w.size(1) == k, "dequantize: out must be a contiguous float32 [", n_out, ", ", k, "] tensor");
+  } else {
+    w = torch::empty({n_out, k}, torch::kFloat32);
+  }
   float* wp = w.data_ptr<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < n_out; ++n) row(n, wp + n * k);
@@ -220,21 +228,23 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   return y;
 }
 
-torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scale, int64_t group) {
+torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scale, int64_t group,
+                              c10::optional<torch::Tensor> out) {
   const int64_t k = q.size(1);
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  return dequantize(q.size(0), k, [&](int64_t n, float* w) {
+  return dequantize(q.size(0), k, out, [&](int64_t n, float* w) {
     dequant_row_int8(qp + n * k, sp + n * (k / group), group, k, w);
   });
 }
 
-torch::Tensor int4_dequantize(torch::Tensor q, torch::Tensor scale, torch::Tensor mins, int64_t group) {
+torch::Tensor int4_dequantize(torch::Tensor q, torch::Tensor scale, torch::Tensor mins, int64_t group,
+                              c10::optional<torch::Tensor> out) {
   const int64_t k = q.size(1) * 2;
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
-  return dequantize(q.size(0), k, [&](int64_t n, float* w) {
+  return dequantize(q.size(0), k, out, [&](int64_t n, float* w) {
     dequant_row_int4(qp + n * (k / 2), sp + n * (k / group), mp + n * (k / group), group, k, w);
   });
 }
@@ -242,6 +252,8 @@ torch::Tensor int4_dequantize(torch::Tensor q, torch::Tensor scale, torch::Tenso
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "weight-only int8 linear (float32 activations)");
   m.def("int4_linear", &int4_linear, "weight-only int4 linear (float32 activations)");
-  m.def("int8_dequantize", &int8_dequantize, "int8 codes and group scales -> float32 weight");
-  m.def("int4_dequantize", &int4_dequantize, "int4 codes, group scales and mins -> float32 weight");
+  m.def("int8_dequantize", &int8_dequantize, "int8 codes and group scales -> float32 weight", py::arg("q"),
+        py::arg("scale"), py::arg("group"), py::arg("out") = py::none());
+  m.def("int4_dequantize", &int4_dequantize, "int4 codes, group scales and mins -> float32 weight", py::arg("q"),
+        py::arg("scale"), py::arg("mins"), py::arg("group"), py::arg("out") = py::none());
 }
