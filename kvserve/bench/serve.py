@@ -120,8 +120,10 @@ async def collect(base_url: str, requests: list[WorkloadRequest], arrivals: list
 
 
 async def send_request(client: httpx.AsyncClient, model: str, req: WorkloadRequest) -> RequestResult:
+    # NOTE: plain greedy on every engine: repetition_penalty 1.0 (the extension vLLM and kvserve take, as
+    # ignore_eos) overrides kvserve's built-in-model default of 1.1, which no peer applies.
     payload = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
-               "ignore_eos": req.ignore_eos, "temperature": 0.0, "stream": True,
+               "ignore_eos": req.ignore_eos, "temperature": 0.0, "repetition_penalty": 1.0, "stream": True,
                "stream_options": {"include_usage": True}}
     result = RequestResult(ok=False, prompt_tokens=len(req.prompt_token_ids))
     num_chunks, usage_tokens = 0, None

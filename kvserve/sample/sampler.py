@@ -85,27 +85,24 @@ def _apply_grammar(logits: torch.Tensor, grammar) -> None:
                                     indices=grammar.row_idx)
 
 
-def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Occurrences of each token per row; the padding id `vocab_size` lands in a dropped extra column."""
-    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32,
-                         device=token_ids.device)  # [B, vocab + 1]
-    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
-    return counts[:, :vocab_size]
-
-
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (CTRL/HF), presence and frequency penalties, touching only the tokens each row has seen:
+    gathers and scatters over the rows' token lists instead of [B, vocab] count tensors, so a decode step
+    costs O(prompt + output tokens), not several passes over the vocabulary. The token lists are padded with
+    `vocab_size`, a column appended here and dropped at the end."""
     pen = meta.penalties
-    vocab_size = logits.shape[1]
-    output_counts = _bin_counts(pen.output_token_ids, vocab_size)  # [B, vocab]
-    output_mask = output_counts > 0  # [B, vocab]
-    seen = _bin_counts(pen.prompt_token_ids, vocab_size) > 0  # [B, vocab]
-    seen |= output_mask
-    # CTRL/HF repetition penalty: always pushes a seen token's logit towards "less likely".
-    scale = torch.where(seen, pen.repetition_penalties.unsqueeze(1), 1.0)  # [B, vocab]
-    logits = torch.where(logits > 0, logits / scale, logits * scale)
-    logits -= pen.frequency_penalties.unsqueeze(1) * output_counts
-    logits -= pen.presence_penalties.unsqueeze(1) * output_mask
-    return logits
+    rows, vocab_size = logits.shape
+    ext = torch.cat([logits, logits.new_zeros(rows, 1)], dim=1)                       # [B, vocab + 1]
+    seen = torch.cat([pen.prompt_token_ids, pen.output_token_ids], dim=1)             # [B, P + O]
+    values = ext.gather(1, seen)
+    rep = pen.repetition_penalties.unsqueeze(1)
+    # NOTE: scatter_ with repeated ids is safe here: every copy of an id writes the same value, computed
+    # from the logit before any write (a token seen twice is penalised once).
+    ext.scatter_(1, seen, torch.where(values > 0, values / rep, values * rep))
+    out = pen.output_token_ids
+    ext.scatter_(1, out, ext.gather(1, out) - pen.presence_penalties.unsqueeze(1))   # once per distinct token
+    ext.scatter_add_(1, out, (-pen.frequency_penalties).unsqueeze(1).expand(out.shape).contiguous())  # per use
+    return ext[:, :vocab_size].contiguous()
 
 
 def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
