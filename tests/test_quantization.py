@@ -169,8 +169,39 @@ def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, kerne
         assert (deq - w).abs().max() <= w.abs().max() / (15 if name.startswith("int4") else 254) * 1.001
     x = torch.randn(rows, k)
     y = layer(x)
-    torch.testing.assert_close(y, F.linear(x, deq, bias), rtol=1e-5, atol=1e-5)
+    # at one or two rows the C++ kernel multiplies a 16-bit fixed-point copy of x (kernels.py)
+    x_used = _fixed_point(x) if rows <= kernels.fixed_point_rows() else x
+    torch.testing.assert_close(y, F.linear(x_used, deq, bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x.reshape(rows, 1, k)).reshape(rows, n), y, rtol=1e-5, atol=1e-5)
+
+
+def _fixed_point(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernel's fixed-point rows are: each run of 32 columns to int16 steps of max|run| / 32767."""
+    runs = x.double().reshape(x.shape[0], -1, 32)
+    step = runs.abs().amax(dim=-1, keepdim=True) / 32767
+    return (torch.round(runs / step.clamp_min(1e-300)) * step).reshape(x.shape).float()
+
+
+def test_fixed_point_rows_are_within_their_rounding_bound(kernel_path):
+    """The single-row kernels' only departure from float32: each input run of 32 columns rounded to 2^-16 of
+    its largest |x| (an outlier column coarsens only its own run), so |y - x W^T| <= sum_k |w_k| step_k / 2."""
+    if kernels.fixed_point_rows() == 0:
+        pytest.skip("no fixed-point rows on this path")
+    torch.manual_seed(5)
+    n, k = 96, 256
+    w = torch.randn(n, k) * 0.05
+    layer = _linear(w, Int8WeightOnlyMethod(32), None)
+    deq = layer.method.dequantized_weight(layer)
+    for rows in range(1, kernels.fixed_point_rows() + 1):
+        x = torch.randn(rows, k)
+        x[:, 7] = 50.0                                             # an outlier in the first run only
+        exact = F.linear(x.double(), deq.double())
+        step = x.reshape(rows, -1, 32).abs().amax(-1).double() / 32767            # [rows, runs]
+        bound = (deq.double().abs().reshape(n, -1, 32).sum(-1) @ step.T).T / 2     # [rows, n]
+        err = (layer(x).double() - exact).abs()
+        assert (err <= bound + 1e-5).all()
+        assert err.max() > 0, "rounded: not the float32 kernel"
+        assert err[:, :].max() < 1e-3
 
 
 @pytest.mark.parametrize("name", ["int8 g32", "int4 g32", "gguf Q8_0"])
