@@ -182,6 +182,22 @@ def _fixed_point(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(runs / step.clamp_min(1e-300)) * step).reshape(x.shape).float()
 
 
+@pytest.mark.parametrize("name", ["int8 g32", "int4 g32"])
+@pytest.mark.parametrize("rows", [1, 13, kernels.DENSE_ROWS + 3])
+def test_bfloat16_activations_run_the_quantized_matmul(name, rows, kernel_path):
+    """--dtype bfloat16 with --quantization: decode-sized rows through the kernel in float32 (not the dense
+    path's per-call dequantization), prefill-sized ones through a bfloat16 matmul; bfloat16 out either way."""
+    _, method, _ = next(m for m in _methods() if m[0] == name)
+    torch.manual_seed(6)
+    w = torch.randn(64, 256) * 0.05
+    layer = _linear(w, method, None)
+    x = torch.randn(rows, 256).bfloat16()
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), method.dequantized_weight(layer)),
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_fixed_point_rows_are_within_their_rounding_bound(kernel_path):
     """The single-row kernels' only departure from float32: each input run of 32 columns rounded to 2^-16 of
     its largest |x| (an outlier column coarsens only its own run), so |y - x W^T| <= sum_k |w_k| step_k / 2."""

@@ -120,31 +120,38 @@ def _dense_chunked(x2: torch.Tensor, n_out: int, dequantize, bias: torch.Tensor 
     return y
 
 
+def _kernel_takes(m, x2: torch.Tensor) -> bool:
+    """Whether the C++ kernel runs these rows: decode sizes on the CPU, float32 or bfloat16 (--dtype
+    bfloat16: the few rows go through it in float32; prefill-sized bfloat16 rows take the dense bfloat16
+    matmul)."""
+    return (m is not None and x2.shape[0] < DENSE_ROWS and x2.device.type == "cpu"
+            and x2.dtype in (torch.float32, torch.bfloat16))
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int,
                 bias: torch.Tensor | None, scratch: DenseScratch | None = None) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N] with w = int8_dequantize(q, scales, group)."""
+    """x [..., K] float32 or bfloat16 -> [..., N] (x's dtype) with w = int8_dequantize(q, scales, group)."""
     x2 = _rows(x)
     m = _module()
-    if (m is None or x2.shape[0] >= DENSE_ROWS or x2.dtype != torch.float32 or x2.device.type != "cpu"
-            or group % 32):  # the kernel reads whole runs of 32 weights
+    if not _kernel_takes(m, x2) or group % 32:  # the kernel reads whole runs of 32 weights
         y = _dense_chunked(x2, q.shape[0], lambda a, b, out: int8_dequantize(q[a:b], scales[a:b], group, out),
                            bias, scratch)
     else:
-        y = m.int8_linear(x2, q, scales, group)
+        y = m.int8_linear(x2.float(), q, scales, group).to(x2.dtype)
         y = y if bias is None else y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def int4_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
                 bias: torch.Tensor | None, scratch: DenseScratch | None = None) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N] with w = int4_dequantize(q, scales, mins, group)."""
+    """x [..., K] float32 or bfloat16 -> [..., N] (x's dtype) with w = int4_dequantize(q, scales, mins, group)."""
     x2 = _rows(x)
     m = _module()
-    if m is None or x2.shape[0] >= DENSE_ROWS or x2.dtype != torch.float32 or x2.device.type != "cpu":
+    if not _kernel_takes(m, x2):
         y = _dense_chunked(x2, q.shape[0],
                            lambda a, b, out: int4_dequantize(q[a:b], scales[a:b], mins[a:b], group, out),
                            bias, scratch)
     else:
-        y = m.int4_linear(x2, q, scales, mins, group)
+        y = m.int4_linear(x2.float(), q, scales, mins, group).to(x2.dtype)
         y = y if bias is None else y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
