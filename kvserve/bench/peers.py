@@ -105,6 +105,11 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     _variant(_VLLM, "vllm-bf16", dtype="bfloat16", notes="`vllm serve --dtype bfloat16` (its CPU default)"),
     _variant(_OPENVINO, "openvino-default", precision="default",
              notes="fp32 IR, OpenVINO's own precision choice on this CPU (bf16 compute, u8 KV cache)"),
+    # int8 weights at each engine's default precision (bf16 activations)
+    _variant(_KVSERVE, "kvserve-int8-bf16", dtype="bfloat16", extra_args=("--quantization", "int8"),
+             notes="--dtype bfloat16 --quantization int8: int8 weights, bf16 activations and KV cache"),
+    _variant(_OPENVINO, "openvino-int8-default", weights="ov_ir_int8", precision="default",
+             notes="int8 IR, OpenVINO's own precision choice on this CPU (bf16 compute, u8 KV cache)"),
 )}
 
 # `--peers` accepts these names for sets of rows; "fp32" is the default.
