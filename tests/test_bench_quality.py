@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from kvserve.bench.quality import Distributions, add_arguments, compare, run
+from kvserve.bench.quality import Distributions, add_arguments, compare, run, settings
 
 
 def _dists(logits: np.ndarray, targets: list[int], k: int) -> Distributions:
@@ -57,3 +57,12 @@ def test_end_to_end_on_a_tiny_checkpoint(tiny_llama, tmp_path, capsys):
     assert run(args) == 0
     out = capsys.readouterr().out
     assert "3 prompts, 180 positions" in out and "reference" in out and "100.00%" in out
+
+
+def test_a_quantization_setting_may_carry_a_model_dtype():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--quantization", "int8,int8+bfloat16", "--dtype", "bfloat16"])
+    assert settings(args) == [("reference", {}), ("--quantization int8", {"quantization": "int8"}),
+                              ("--quantization int8 --dtype bfloat16", {"quantization": "int8", "dtype": "bfloat16"}),
+                              ("--dtype bfloat16", {"dtype": "bfloat16"})]

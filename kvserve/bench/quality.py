@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of the workload (all)")
     parser.add_argument("--quantization", default="int8",
                         help="comma-separated weight quantizations (the engine's --quantization values) to "
-                             "compare, each alone; empty: none")
+                             "compare, each alone, or with a model dtype as QUANT+DTYPE (int8+bfloat16); "
+                             "empty: none")
     parser.add_argument("--kv-cache-dtype", default="",
                         help="comma-separated KV-cache dtypes (the engine's --kv-cache-dtype values) to compare, "
                              "each alone; empty: none")
@@ -67,7 +68,11 @@ def settings(args) -> list[tuple[str, dict]]:
     """(label, EngineArgs changes) per setting, the reference first."""
     out = [("reference", {})]
     for q in filter(None, (s.strip() for s in args.quantization.split(","))):
-        out.append((f"--quantization {q}", {"quantization": q}))
+        q, _, d = q.partition("+")
+        if d:
+            out.append((f"--quantization {q} --dtype {d}", {"quantization": q, "dtype": d}))
+        else:
+            out.append((f"--quantization {q}", {"quantization": q}))
     for d in filter(None, (s.strip() for s in args.kv_cache_dtype.split(","))):
         out.append((f"--kv-cache-dtype {d}", {"kv_cache_dtype": d}))
     for d in filter(None, (s.strip() for s in args.dtype.split(","))):
