@@ -1,0 +1,135 @@
+"""What other scale layouts of the quantized KV cache would cost in quality, measured before building them:
+`kvserve bench quality` with the cache's write path (or quantizer) swapped in this process, on the kernels and
+layout as they are.
+
+    python scripts/kv_scale_layouts.py LAYOUT [bench quality flags...]
+
+LAYOUT:
+  block         one scale per (block, KV head, K/V), emulated on the per-slot layout by writing the block's
+                scale into all its slots: the first write at slot offset 0 of a block resets it; a later token
+                whose absmax needs a larger scale grows it, and the block's earlier codes are requantized to
+                the new scale (codes * old / new, rounded: a second rounding)
+  block-oracle  the same scales, but grown blocks are requantized from a full-precision shadow of every
+                token written (no second rounding: the best any per-block rule could do); needs 4 bytes
+                per cached element, so pass a small --kv-cache-memory
+  fp8-tensor    fp8_e4m3 with one fixed scale for every tensor (vLLM's k_scale = v_scale, default 1.0;
+                FP8_SCALE=x to change it): codes = clamp(x / scale, +-448), no per-token scale needed
+  fp8-nearest   fp8_e4m3 with the per-token bf16 scale rounded to nearest (codes clamped at 448) rather
+                than up
+
+Only the --kv-cache-dtype settings change; the reference is the float32 cache as always. Prints the bench's
+table, then (block) how often blocks grew.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+import kvserve.attention.cpu_paged as cpu_paged
+import kvserve.attention.prefill as prefill
+import kvserve.attention.torch_ref as torch_ref
+from kvserve.kv_cache import quant
+from kvserve.kv_cache.quant import QuantizedKVCache
+
+LAYOUTS = ("block", "block-oracle", "fp8-tensor", "fp8-nearest")
+
+
+def _codes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    qmax = quant._QMAX[dtype]
+    if dtype == torch.int8:
+        y = y.round()
+    return y.clamp(-qmax, qmax).to(dtype)
+
+
+class BlockScaleWriter:
+    """write_kv with one scale per (block, KV head, K/V), kept in every slot's scale of the block."""
+
+    def __init__(self, oracle: bool):
+        self.oracle = oracle
+        self.shadows: dict[int, torch.Tensor] = {}   # values' data_ptr -> float32 copy of every token written
+        self.writes = self.grown_blocks = 0
+        self.unquantized = prefill.write_kv
+
+    def __call__(self, cache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if not isinstance(cache, QuantizedKVCache):
+            return self.unquantized(cache, slots, k, v)
+        kv = torch.stack((k, v), dim=1).float()                              # [T, 2, Hkv, D]
+        dtype, qmax = cache.dtype, quant._QMAX[cache.dtype]
+        num_blocks, bs = cache.values.shape[:2]
+        blocks, inv = torch.unique(slots // bs, return_inverse=True)         # [U], [T]
+        amax = kv.abs().amax(-1)                                             # [T, 2, Hkv]
+        need = torch.zeros(len(blocks), *amax.shape[1:]).index_reduce_(0, inv, amax, "amax")
+        need = quant.round_up_to_bf16(need.clamp_(quant._MIN_AMAX, 3e38).div_(qmax))
+        reset = torch.zeros(len(blocks), dtype=torch.bool).index_put_((inv,), slots % bs == 0, accumulate=True)
+        block_scales = cache.scales.view(num_blocks, bs, *amax.shape[1:])    # [NB, BS, 2, Hkv]
+        old = block_scales[blocks, 0].float()                                # [U, 2, Hkv]
+        new = torch.where(reset[:, None, None], need, torch.maximum(old, need))
+        grown = ((new > old) & ~reset[:, None, None]).flatten(1).any(1)      # [U]
+        if self.oracle:
+            shadow = self.shadows.setdefault(cache.values.data_ptr(), torch.zeros(cache.values.shape))
+            shadow.view(-1, *kv.shape[1:]).index_copy_(0, slots, kv)
+        self.writes += 1
+        if grown.any():
+            ids = blocks[grown]
+            self.grown_blocks += len(ids)
+            if self.oracle:
+                y = shadow[ids] / new[grown][:, None, :, :, None]
+            else:
+                y = cache.values[ids].float() * (old[grown] / new[grown])[:, None, :, :, None]
+            cache.values.view(torch.uint8)[ids] = _codes(y, dtype).view(torch.uint8)
+        flat = cache.values.view(-1, *kv.shape[1:])
+        codes = _codes(kv / new[inv][..., None], dtype)
+        flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+        block_scales[blocks] = new.to(quant.SCALE_DTYPE)[:, None]
+        return QuantizedKVCache(flat, cache.scales.view(-1, *kv.shape[1:3]))
+
+
+def fp8_tensor_quantize(scale: float):
+    exact = quant.quantize
+
+    def quantize(x: torch.Tensor, dtype: torch.dtype):
+        if dtype != torch.float8_e4m3fn:
+            return exact(x, dtype)
+        return _codes(x.float() / scale, dtype), torch.full(x.shape[:-1], scale, dtype=quant.SCALE_DTYPE)
+    return quantize
+
+
+def fp8_nearest_quantize():
+    exact = quant.quantize
+
+    def quantize(x: torch.Tensor, dtype: torch.dtype):
+        if dtype != torch.float8_e4m3fn:
+            return exact(x, dtype)
+        scales = x.detach().abs().amax(-1).float().clamp_(quant._MIN_AMAX, 3e38).div_(448.0).to(quant.SCALE_DTYPE)
+        return _codes(x.float() / scales.float().unsqueeze(-1), dtype), scales
+    return quantize
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in LAYOUTS:
+        print(f"usage: kv_scale_layouts.py {{{','.join(LAYOUTS)}}} [bench quality flags...]", file=sys.stderr)
+        return 2
+    layout, rest = argv[0], argv[1:]
+    warnings.filterwarnings("ignore", message="index_reduce")   # beta API, fine for a measurement
+    writer = None
+    if layout.startswith("block"):
+        writer = BlockScaleWriter(oracle=layout == "block-oracle")
+        for module in (prefill, cpu_paged, torch_ref):   # each holds write_kv by name
+            module.write_kv = writer
+    elif layout == "fp8-tensor":
+        prefill.quantize = fp8_tensor_quantize(float(os.environ.get("FP8_SCALE", "1.0")))
+    else:
+        prefill.quantize = fp8_nearest_quantize()
+    from kvserve.cli.main import main as kvserve_main
+
+    rc = kvserve_main(["bench", "quality", *rest])
+    if writer is not None:
+        print(f"{layout}: {writer.grown_blocks} block scales grown over {writer.writes} cache writes")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
