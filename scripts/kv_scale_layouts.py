@@ -5,11 +5,13 @@ layout as they are.
     python scripts/kv_scale_layouts.py LAYOUT [bench quality flags...]
 
 LAYOUT:
-  block         one scale per (block, KV head, K/V), emulated on the per-slot layout by writing the block's
-                scale into all its slots: the first write at slot offset 0 of a block resets it; a later token
-                whose absmax needs a larger scale grows it, and the block's earlier codes are requantized to
-                the new scale (codes * old / new, rounded: a second rounding)
-  block-oracle  the same scales, but grown blocks are requantized from a full-precision shadow of every
+  block[:N]     one scale per (block, KV head, K/V), or per N aligned slots of a block (N divides the block
+                size), emulated on the per-slot layout by writing the block's scale into all its slots: the
+                first write at slot offset 0 of a block resets it; a later token whose absmax needs a larger
+                scale grows it, and the block's earlier codes are requantized to the new scale (codes * old /
+                new, rounded: a second rounding)
+  block-oracle[:N]
+                the same scales, but grown blocks are requantized from a full-precision shadow of every
                 token written (no second rounding: the best any per-block rule could do); needs 4 bytes
                 per cached element, so pass a small --kv-cache-memory
   fp8-tensor    fp8_e4m3 with one fixed scale for every tensor (vLLM's k_scale = v_scale, default 1.0;
@@ -45,10 +47,11 @@ def _codes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class BlockScaleWriter:
-    """write_kv with one scale per (block, KV head, K/V), kept in every slot's scale of the block."""
+    """write_kv with one scale per (group of `group` slots, KV head, K/V), kept in every slot's scale of the
+    group; group None: the whole block. A group is aligned within its block ("block" below means a group)."""
 
-    def __init__(self, oracle: bool):
-        self.oracle = oracle
+    def __init__(self, oracle: bool, group: int | None = None):
+        self.oracle, self.group = oracle, group
         self.shadows: dict[int, torch.Tensor] = {}   # values' data_ptr -> float32 copy of every token written
         self.writes = self.grown_blocks = 0
         self.unquantized = prefill.write_kv
@@ -58,18 +61,22 @@ class BlockScaleWriter:
             return self.unquantized(cache, slots, k, v)
         kv = torch.stack((k, v), dim=1).float()                              # [T, 2, Hkv, D]
         dtype, qmax = cache.dtype, quant._QMAX[cache.dtype]
-        num_blocks, bs = cache.values.shape[:2]
+        bs = self.group or cache.values.shape[1]
+        if cache.values.shape[1] % bs:
+            raise ValueError(f"a scale group of {bs} slots must divide the block size {cache.values.shape[1]}")
+        num_blocks = cache.values.shape[0] * cache.values.shape[1] // bs
         blocks, inv = torch.unique(slots // bs, return_inverse=True)         # [U], [T]
         amax = kv.abs().amax(-1)                                             # [T, 2, Hkv]
         need = torch.zeros(len(blocks), *amax.shape[1:]).index_reduce_(0, inv, amax, "amax")
         need = quant.round_up_to_bf16(need.clamp_(quant._MIN_AMAX, 3e38).div_(qmax))
         reset = torch.zeros(len(blocks), dtype=torch.bool).index_put_((inv,), slots % bs == 0, accumulate=True)
-        block_scales = cache.scales.view(num_blocks, bs, *amax.shape[1:])    # [NB, BS, 2, Hkv]
+        block_scales = cache.scales.view(num_blocks, bs, *amax.shape[1:])    # [groups, bs, 2, Hkv]
+        block_values = cache.values.view(num_blocks, bs, *kv.shape[1:])     # [groups, bs, 2, Hkv, D]
         old = block_scales[blocks, 0].float()                                # [U, 2, Hkv]
         new = torch.where(reset[:, None, None], need, torch.maximum(old, need))
         grown = ((new > old) & ~reset[:, None, None]).flatten(1).any(1)      # [U]
         if self.oracle:
-            shadow = self.shadows.setdefault(cache.values.data_ptr(), torch.zeros(cache.values.shape))
+            shadow = self.shadows.setdefault(cache.values.data_ptr(), torch.zeros(block_values.shape))
             shadow.view(-1, *kv.shape[1:]).index_copy_(0, slots, kv)
         self.writes += 1
         if grown.any():
@@ -78,8 +85,8 @@ class BlockScaleWriter:
             if self.oracle:
                 y = shadow[ids] / new[grown][:, None, :, :, None]
             else:
-                y = cache.values[ids].float() * (old[grown] / new[grown])[:, None, :, :, None]
-            cache.values.view(torch.uint8)[ids] = _codes(y, dtype).view(torch.uint8)
+                y = block_values[ids].float() * (old[grown] / new[grown])[:, None, :, :, None]
+            block_values.view(torch.uint8)[ids] = _codes(y, dtype).view(torch.uint8)
         flat = cache.values.view(-1, *kv.shape[1:])
         codes = _codes(kv / new[inv][..., None], dtype)
         flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
@@ -109,14 +116,16 @@ def fp8_nearest_quantize():
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in LAYOUTS:
-        print(f"usage: kv_scale_layouts.py {{{','.join(LAYOUTS)}}} [bench quality flags...]", file=sys.stderr)
+    layout, _, group = (argv[0] if argv else "").partition(":")
+    if layout not in LAYOUTS or (group and (not layout.startswith("block") or not group.isdigit() or int(group) < 1)):
+        print(f"usage: kv_scale_layouts.py {{{','.join(LAYOUTS)}}}[:GROUP for block*] [bench quality flags...]",
+              file=sys.stderr)
         return 2
-    layout, rest = argv[0], argv[1:]
+    rest = argv[1:]
     warnings.filterwarnings("ignore", message="index_reduce")   # beta API, fine for a measurement
     writer = None
     if layout.startswith("block"):
-        writer = BlockScaleWriter(oracle=layout == "block-oracle")
+        writer = BlockScaleWriter(oracle=layout == "block-oracle", group=int(group) if group else None)
         for module in (prefill, cpu_paged, torch_ref):   # each holds write_kv by name
             module.write_kv = writer
     elif layout == "fp8-tensor":
@@ -127,7 +136,7 @@ def main(argv: list[str]) -> int:
 
     rc = kvserve_main(["bench", "quality", *rest])
     if writer is not None:
-        print(f"{layout}: {writer.grown_blocks} block scales grown over {writer.writes} cache writes")
+        print(f"{argv[0]}: {writer.grown_blocks} block scales grown over {writer.writes} cache writes")
     return rc
 
 

@@ -47,6 +47,21 @@ def test_block_scales_grow_requantize_and_reset(oracle, steps):
     assert (cache.scales[2, 0].float() < 0.01).all()
 
 
+@pytest.mark.filterwarnings("ignore:index_reduce")
+def test_groups_of_slots_within_a_block_have_their_own_scales():
+    writer = layouts.BlockScaleWriter(oracle=False, group=2)
+    cache = QuantizedKVCache(torch.zeros(2, BS, 2, HKV, D, dtype=torch.int8),
+                             torch.ones(2, BS, 2, HKV, dtype=torch.bfloat16))
+    x = torch.randn(BS, 2, HKV, D, generator=torch.Generator().manual_seed(1))
+    for t in range(BS):
+        writer(cache, torch.tensor([BS + t]), x[t:t + 1, 0], x[t:t + 1, 1])
+    for grp in range(BS // 2):
+        _, exact = quantize(x[2 * grp:2 * grp + 2].permute(1, 2, 0, 3).reshape(2, HKV, 2 * D), torch.int8)
+        assert torch.equal(cache.scales[1, 2 * grp:2 * grp + 2], exact.expand(2, 2, HKV))
+    with pytest.raises(ValueError, match="must divide the block size"):
+        layouts.BlockScaleWriter(oracle=False, group=3)(cache, torch.tensor([0]), x[:1, 0], x[:1, 1])
+
+
 def test_fp8_tensor_scale_divides_and_clamps():
     quantize_tensor = layouts.fp8_tensor_quantize(0.5)
     x = torch.tensor([[1.0, -300.0, 0.25]])
