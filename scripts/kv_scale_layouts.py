@@ -14,6 +14,8 @@ LAYOUT:
                 the same scales, but grown blocks are requantized from a full-precision shadow of every
                 token written (no second rounding: the best any per-block rule could do); needs 4 bytes
                 per cached element, so pass a small --kv-cache-memory
+  block-k[:N], block-v[:N]
+                block scales for K only (V keeps a scale per token), or for V only
   fp8-tensor    fp8_e4m3 with one fixed scale for every tensor (vLLM's k_scale = v_scale, default 1.0;
                 FP8_SCALE=x to change it): codes = clamp(x / scale, +-448), no per-token scale needed
   fp8-nearest   fp8_e4m3 with the per-token bf16 scale rounded to nearest (codes clamped at 448) rather
@@ -36,7 +38,7 @@ import kvserve.attention.torch_ref as torch_ref
 from kvserve.kv_cache import quant
 from kvserve.kv_cache.quant import QuantizedKVCache
 
-LAYOUTS = ("block", "block-oracle", "fp8-tensor", "fp8-nearest")
+LAYOUTS = ("block", "block-oracle", "block-k", "block-v", "fp8-tensor", "fp8-nearest")
 
 
 def _codes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,10 +50,12 @@ def _codes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class BlockScaleWriter:
     """write_kv with one scale per (group of `group` slots, KV head, K/V), kept in every slot's scale of the
-    group; group None: the whole block. A group is aligned within its block ("block" below means a group)."""
+    group; group None: the whole block. A group is aligned within its block ("block" below means a group).
+    `parts`: which of K (0) and V (1) share a block's scale; the others keep one per token."""
 
-    def __init__(self, oracle: bool, group: int | None = None):
+    def __init__(self, oracle: bool, group: int | None = None, parts: tuple[int, ...] = (0, 1)):
         self.oracle, self.group = oracle, group
+        self.parts = torch.tensor([0 in parts, 1 in parts])[:, None]       # [2, 1] bool
         self.shadows: dict[int, torch.Tensor] = {}   # values' data_ptr -> float32 copy of every token written
         self.writes = self.grown_blocks = 0
         self.unquantized = prefill.write_kv
@@ -74,7 +78,9 @@ class BlockScaleWriter:
         block_values = cache.values.view(num_blocks, bs, *kv.shape[1:])     # [groups, bs, 2, Hkv, D]
         old = block_scales[blocks, 0].float()                                # [U, 2, Hkv]
         new = torch.where(reset[:, None, None], need, torch.maximum(old, need))
-        grown = ((new > old) & ~reset[:, None, None]).flatten(1).any(1)      # [U]
+        grown = ((new > old) & ~reset[:, None, None] & self.parts).flatten(1).any(1)   # [U]
+        per_token = quant.round_up_to_bf16(amax.clamp(quant._MIN_AMAX, 3e38).div_(qmax))   # [T, 2, Hkv]
+        slot_scales = torch.where(self.parts, new[inv], per_token)          # [T, 2, Hkv]
         if self.oracle:
             shadow = self.shadows.setdefault(cache.values.data_ptr(), torch.zeros(block_values.shape))
             shadow.view(-1, *kv.shape[1:]).index_copy_(0, slots, kv)
@@ -83,14 +89,18 @@ class BlockScaleWriter:
             ids = blocks[grown]
             self.grown_blocks += len(ids)
             if self.oracle:
-                y = shadow[ids] / new[grown][:, None, :, :, None]
+                denom = torch.where(self.parts, new[grown][:, None], block_scales[ids].float())  # [G, bs, 2, Hkv]
+                y = shadow[ids] / denom[..., None]
             else:
-                y = block_values[ids].float() * (old[grown] / new[grown])[:, None, :, :, None]
+                ratio = torch.where(self.parts, old[grown] / new[grown], 1.0)   # per-token halves stay
+                y = block_values[ids].float() * ratio[:, None, :, :, None]
             block_values.view(torch.uint8)[ids] = _codes(y, dtype).view(torch.uint8)
         flat = cache.values.view(-1, *kv.shape[1:])
-        codes = _codes(kv / new[inv][..., None], dtype)
+        codes = _codes(kv / slot_scales[..., None], dtype)
         flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
-        block_scales[blocks] = new.to(quant.SCALE_DTYPE)[:, None]
+        mine = block_scales[blocks]                                          # [U, bs, 2, Hkv]
+        block_scales[blocks] = torch.where(self.parts, new.to(quant.SCALE_DTYPE)[:, None], mine)
+        cache.scales.view(-1, *kv.shape[1:3]).index_copy_(0, slots, slot_scales.to(quant.SCALE_DTYPE))
         return QuantizedKVCache(flat, cache.scales.view(-1, *kv.shape[1:3]))
 
 
@@ -125,7 +135,8 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", message="index_reduce")   # beta API, fine for a measurement
     writer = None
     if layout.startswith("block"):
-        writer = BlockScaleWriter(oracle=layout == "block-oracle", group=int(group) if group else None)
+        parts = {"block-k": (0,), "block-v": (1,)}.get(layout, (0, 1))
+        writer = BlockScaleWriter(oracle=layout == "block-oracle", group=int(group) if group else None, parts=parts)
         for module in (prefill, cpu_paged, torch_ref):   # each holds write_kv by name
             module.write_kv = writer
     elif layout == "fp8-tensor":

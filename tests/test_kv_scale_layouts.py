@@ -1,7 +1,7 @@
 """scripts/kv_scale_layouts.py's per-block scale emulation (the README's per-block quality figures come from it):
 tokens appended one write at a time end with their block's exact absmax scale in every slot, earlier codes
-requantized when it grows (within one step: two roundings; half a step from the full-precision shadow), and a
-write at offset 0 of a reused block starts its scale afresh."""
+requantized when it grows (a rounding per growth: within one step for the few growths here; half a step from
+the full-precision shadow), and a write at offset 0 of a reused block starts its scale afresh."""
 from __future__ import annotations
 
 import importlib.util
@@ -67,3 +67,22 @@ def test_fp8_tensor_scale_divides_and_clamps():
     x = torch.tensor([[1.0, -300.0, 0.25]])
     values, scales = quantize_tensor(x, torch.float8_e4m3fn)
     assert values.float().tolist() == [[2.0, -448.0, 0.5]] and scales.float().tolist() == [0.5]
+
+
+@pytest.mark.filterwarnings("ignore:index_reduce")
+@pytest.mark.parametrize("part", [0, 1])
+def test_block_scales_for_one_of_k_and_v_only(part):
+    """block-k / block-v: the chosen half shares its block's scale, the other keeps each token's own."""
+    writer = layouts.BlockScaleWriter(oracle=False, parts=(part,))
+    cache = QuantizedKVCache(torch.zeros(2, BS, 2, HKV, D, dtype=torch.int8),
+                             torch.ones(2, BS, 2, HKV, dtype=torch.bfloat16))
+    x = torch.randn(BS, 2, HKV, D, generator=torch.Generator().manual_seed(2)) * torch.arange(1.0, BS + 1)[:, None, None, None]
+    for t in range(BS):
+        writer(cache, torch.tensor([BS + t]), x[t:t + 1, 0], x[t:t + 1, 1])
+    _, per_token = quantize(x, torch.int8)                             # [BS, 2, Hkv]
+    _, per_block = quantize(x.permute(1, 2, 0, 3).reshape(2, HKV, BS * D), torch.int8)
+    assert torch.equal(cache.scales[1, :, part], per_block[part].expand(BS, HKV))
+    assert torch.equal(cache.scales[1, :, 1 - part], per_token[:, 1 - part])
+    err = (dequantize(cache.values, cache.scales)[1] - x).abs() / cache.scales[1].float()[..., None]   # in steps
+    assert (err[:, 1 - part] <= 0.5 + 1e-4).all()   # never requantized when the other half's scale grows
+    assert (err[:, part] <= BS / 2).all()           # a rounding per growth, each <= 1/2 step of the final scale
