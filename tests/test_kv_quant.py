@@ -329,7 +329,8 @@ def test_kernel_refuses_mismatched_quantized_inputs():
     with pytest.raises(RuntimeError, match="int8/fp8 need kv_scales"):
         kernel.paged_decode_attention(q, values, table, lens, 0.125)
     with pytest.raises(RuntimeError, match="shaped as kv without head_dim"):
-        kernel.paged_decode_attention(q, values, table, lens, 0.125, None, torch.ones(2, 16, 2, 1, dtype=torch.bfloat16))
+        kernel.paged_decode_attention(q, values, table, lens, 0.125, None,
+                                      torch.ones(2, 16, 2, 1, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="contiguous bfloat16"):
         kernel.paged_decode_attention(q, values, table, lens, 0.125, None, torch.ones(2, 16, 2, 2))  # float32
     with pytest.raises(RuntimeError, match="must be int8 or float8_e4m3fn"):

@@ -76,7 +76,8 @@ def test_block_scales_for_one_of_k_and_v_only(part):
     writer = layouts.BlockScaleWriter(oracle=False, parts=(part,))
     cache = QuantizedKVCache(torch.zeros(2, BS, 2, HKV, D, dtype=torch.int8),
                              torch.ones(2, BS, 2, HKV, dtype=torch.bfloat16))
-    x = torch.randn(BS, 2, HKV, D, generator=torch.Generator().manual_seed(2)) * torch.arange(1.0, BS + 1)[:, None, None, None]
+    x = torch.randn(BS, 2, HKV, D, generator=torch.Generator().manual_seed(2))
+    x *= torch.arange(1.0, BS + 1)[:, None, None, None]               # every token grows the block's scale
     for t in range(BS):
         writer(cache, torch.tensor([BS + t]), x[t:t + 1, 0], x[t:t + 1, 1])
     _, per_token = quantize(x, torch.int8)                             # [BS, 2, Hkv]
