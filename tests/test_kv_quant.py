@@ -45,10 +45,11 @@ def _rows(seed: int) -> torch.Tensor:
 def test_int8_round_trip_error_is_at_most_half_a_step():
     x = _rows(0)
     values, scales = quantize(x, torch.int8)
-    assert values.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (512,)
+    assert values.dtype == torch.int8 and scales.dtype == torch.bfloat16 and scales.shape == (512,)
     err = (dequantize(values, scales) - x).abs()
-    assert (err <= scales[:, None] * (0.5 + 1e-4)).all()
-    assert values.abs().amax(dim=1)[x.abs().amax(dim=1) > 0].eq(127).all()   # each row uses the full grid
+    assert (err <= scales.float()[:, None] * (0.5 + 1e-4)).all()
+    # each row uses the full grid, but for the scale's rounding up to bf16 (at most 2^-7: 127 / (1 + 2^-7) > 126)
+    assert values.abs().amax(dim=1)[x.abs().amax(dim=1) > 0].ge(126).all()
     assert (values[3] == 0).all() and (dequantize(values, scales)[3] == 0).all()
     rel = (err.norm(dim=1) / x.norm(dim=1).clamp_min(1e-30))[x.abs().amax(dim=1) > 0]
     assert rel.mean() < 0.01
@@ -61,10 +62,33 @@ def test_fp8_round_trip_error_is_within_e4m3_precision():
     assert not values.float().isnan().any()
     err = (dequantize(values, scales) - x).abs()
     # 3 mantissa bits: half an ulp is <= 2^-4 of the value; below 2^-6 (subnormals) the step is 2^-9.
-    assert (err <= x.abs() * 2**-4 + scales[:, None] * 2**-10 + 1e-12).all()
+    assert (err <= x.abs() * 2**-4 + scales.float()[:, None] * 2**-10 + 1e-12).all()
     assert (values.float().abs().amax(dim=1)[x.abs().amax(dim=1) > 0] == 448).all()
     rel = (err.norm(dim=1) / x.norm(dim=1).clamp_min(1e-30))[x.abs().amax(dim=1) > 0]
     assert rel.mean() < 0.05
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
+def test_scales_are_bf16_rounded_up_so_codes_stay_in_range(dtype):
+    """The stored scale is the smallest bf16 >= absmax / qmax: never below it (so no code is clamped), at most
+    one bf16 step above it, and the pair (codes, scale) is what dequantize and the kernels multiply back."""
+    from kvserve.kv_cache.quant import SCALE_DTYPE, round_up_to_bf16
+
+    assert SCALE_DTYPE == torch.bfloat16
+    x = _rows(2)
+    values, scales = quantize(x, dtype)
+    qmax = 127.0 if dtype == torch.int8 else 448.0
+    exact = x.abs().amax(dim=1).clamp_min(1e-30) / qmax
+    s = scales.float()
+    assert (s >= exact).all() and (s <= exact * (1 + 2**-7)).all()
+    assert (s.to(torch.bfloat16).float() == s).all()
+    # round_up_to_bf16: exact bf16 values stay, anything else goes to the next bf16 up
+    b = torch.tensor([1.0, 1.0 + 2**-7, 3e-30, 0.1])
+    up = round_up_to_bf16(b)
+    assert up[0] == 1.0 and up[1] == 1.0 + 2**-7 and (up >= b).all()
+    assert (up.to(torch.bfloat16).float() == up).all() and (up <= b * (1 + 2**-7)).all()
+    # with no rounding-up, x / scale could exceed qmax and be clamped: here, no code is clamped away
+    assert (dequantize(values, scales) - x).abs().le(s[:, None] * (0.5 if dtype == torch.int8 else 16)).all()
 
 
 # --------------------------------------------------------------------------- the decode kernel
@@ -84,7 +108,7 @@ def test_kernel_reads_every_code_exactly(dtype):
     v[:codes.numel()] = codes
     values = torch.zeros(rows, 1, 2, 1, d, dtype=dtype)              # one block of one slot per sequence
     values.view(torch.uint8)[:, 0, 1, 0] = v.view(torch.uint8).view(rows, d)
-    scales = torch.full((rows, 1, 2, 1), 0.5)
+    scales = torch.full((rows, 1, 2, 1), 0.5, dtype=torch.bfloat16)
     out = kernel.paged_decode_attention(torch.randn(rows, 1, d), values, torch.arange(rows)[:, None],
                                         torch.ones(rows, dtype=torch.int64), 0.125, None, scales)
     torch.testing.assert_close(out[:, 0], v.float().view(rows, d) * 0.5, atol=0, rtol=0)
@@ -173,7 +197,7 @@ def test_prefill_chunk_gathers_dequantized_context(use_kernel):
     bs, hkv, hq, d, ctx, q_len = 16, 2, 4, 32, 40, 20
     n = ctx + q_len
     values = torch.zeros(8, bs, 2, hkv, d, dtype=torch.int8)
-    cache = QuantizedKVCache(values, torch.ones(8, bs, 2, hkv))
+    cache = QuantizedKVCache(values, torch.ones(8, bs, 2, hkv, dtype=torch.bfloat16))
     k_all, v_all = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
     table = [5, 2, 7, 0]
     slot = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
@@ -272,14 +296,15 @@ def test_pool_holds_about_four_times_the_tokens_of_float32(tiny_llama):
         runner = engine.core.executor.worker.runner
         assert runner.kv_pool.num_bytes == spec.num_bytes <= 4 * 2**20   # scales counted, within budget
         blocks[dtype] = engine.block_pool.num_blocks
-    # tiny model: 2 layers, 2 KV heads, head_dim 16: 4 x 16 bytes vs 16 + 4 (the scale) per head
+    # tiny model: 2 layers, 2 KV heads, head_dim 16: 4 x 16 bytes vs 16 + 2 (the bf16 scale) per head
     assert blocks["auto"] == 4 * 2**20 // (16 * 2 * 2 * 2 * 16 * 4)
-    assert blocks["int8"] == blocks["fp8_e4m3"] == 4 * 2**20 // (16 * 2 * 2 * 2 * (16 + 4))
-    # SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64): scales cost 4 bytes per 64
+    assert blocks["int8"] == blocks["fp8_e4m3"] == 4 * 2**20 // (16 * 2 * 2 * 2 * (16 + 2))
+    assert runner.kv_pool.scales.dtype == torch.bfloat16
+    # SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64): scales cost 2 bytes per 64
     fp32 = KVCacheSpec(30, 1, 16, 3, 64, torch.float32)
-    int8 = KVCacheSpec(30, 1, 16, 3, 64, torch.int8, torch.float32)
-    assert int8.bytes_per_token == 2 * 30 * 3 * (64 + 4)
-    assert 3.7 < fp32.bytes_per_token / int8.bytes_per_token < 4
+    int8 = KVCacheSpec(30, 1, 16, 3, 64, torch.int8, torch.bfloat16)
+    assert int8.bytes_per_token == 2 * 30 * 3 * (64 + 2)
+    assert round(fp32.bytes_per_token / int8.bytes_per_token, 2) == 3.88
 
 
 # --------------------------------------------------------------------------- bad values
@@ -304,9 +329,13 @@ def test_kernel_refuses_mismatched_quantized_inputs():
     with pytest.raises(RuntimeError, match="int8/fp8 need kv_scales"):
         kernel.paged_decode_attention(q, values, table, lens, 0.125)
     with pytest.raises(RuntimeError, match="shaped as kv without head_dim"):
-        kernel.paged_decode_attention(q, values, table, lens, 0.125, None, torch.ones(2, 16, 2, 1))
+        kernel.paged_decode_attention(q, values, table, lens, 0.125, None,
+                                      torch.ones(2, 16, 2, 1, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        kernel.paged_decode_attention(q, values, table, lens, 0.125, None, torch.ones(2, 16, 2, 2))  # float32
     with pytest.raises(RuntimeError, match="must be int8 or float8_e4m3fn"):
-        kernel.paged_decode_attention(q, values.float(), table, lens, 0.125, None, torch.ones(2, 16, 2, 2))
+        kernel.paged_decode_attention(q, values.float(), table, lens, 0.125, None,
+                                      torch.ones(2, 16, 2, 2, dtype=torch.bfloat16))
 
 
 # --------------------------------------------------------------------------- reporting
@@ -321,7 +350,7 @@ def test_start_up_log_and_engine_info_name_the_cache_dtype(tiny_llama, caplog):
     tokens = engine.core.kv_spec.num_tokens
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache ("))
     assert line.startswith(f"KV cache (int8): {tokens // 16} blocks x 16 tokens = {tokens} tokens")
-    assert "(16 head_dim x 1 B + 4 B scale)" in line
+    assert "(16 head_dim x 1 B + 2 B scale)" in line
 
 
 def test_prometheus_shows_the_cache_dtype():
@@ -346,13 +375,13 @@ def test_kv_calc_counts_scales_and_shows_the_gain(capsys):
     for dtype in ("int8", "fp8_e4m3"):
         assert kv_calc.run(parser.parse_args([*shape, "--kv-cache-dtype", dtype, "--json"])) == 0
         report = json.loads(capsys.readouterr().out)
-        assert report["kv_dtype"] == dtype and report["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
+        assert report["kv_dtype"] == dtype and report["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 2)
         assert report["unquantized_kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
-        assert report["max_tokens_in_memory"] == 2 * 2**30 // 12_240
-        assert round(report["capacity_gain"], 2) == 3.76
+        assert report["max_tokens_in_memory"] == 2 * 2**30 // 11_880
+        assert round(report["capacity_gain"], 2) == 3.88
     assert kv_calc.run(parser.parse_args([*shape, "--kv-cache-dtype", "int8"])) == 0
     out = capsys.readouterr().out
-    assert "int8 (1 bytes) + a 4-byte scale per token and KV head" in out
-    assert "3.76x the tokens of a float32 cache" in out
+    assert "int8 (1 bytes) + a 2-byte scale per token and KV head" in out
+    assert "3.88x the tokens of a float32 cache" in out
     with pytest.raises(SystemExit):
         parser.parse_args([*shape, "--kv-cache-dtype", "int4"])

@@ -78,7 +78,8 @@ def decode(batch: int, ctx: int, stream: float, baseline=None) -> str:
         for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
             values, scales = quantize(kv, dtype)
             ms = _time(lambda: kernel.paged_attention(q, values, table, seq_lens, 0.125, None, scales))
-            line += f"   {name} {ms:6.2f} ms ({batch * ctx * 2 * HKV * (D + 4) / ms / 1e6:.1f} GB/s)"
+            scale_bytes = scales.element_size()
+            line += f"   {name} {ms:6.2f} ms ({batch * ctx * 2 * HKV * (D + scale_bytes) / ms / 1e6:.1f} GB/s)"
     return line
 
 

@@ -1,7 +1,7 @@
 """`kvserve kv-calc`: how much memory the KV cache of a model needs, and how many sequences fit.
 
 KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element; a quantized cache
-(`--kv-cache-dtype int8 | fp8_e4m3`, the engine's flag) adds one 4-byte scale per KV head, and the report
+(`--kv-cache-dtype int8 | fp8_e4m3`, the engine's flag) adds one 2-byte (bfloat16) scale per KV head, and the report
 says how many times the tokens of the unquantized `--kv-dtype` it holds. Grouped-query
 attention shows up through `num_key_value_heads` (MHA when absent, MQA when 1); GPT-2/Falcon-style configs
 (`n_layer`, `n_head`, `n_embd`, `multi_query`, `num_kv_heads`/`n_head_kv`) are read too (kv_cache/sizing.py).
@@ -32,9 +32,9 @@ __all__ = ["KV_DTYPE_BYTES", "add_arguments", "run", "kv_bytes_per_token", "load
 # Bytes per KV element; "auto" is resolved from the model config (see _resolve_kv_dtype).
 KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 # The engine's quantized caches (kv_cache/quant.py, which imports torch: not imported here): one byte per
-# element, one float32 scale per token, KV head and K/V.
+# element, one bfloat16 scale per token, KV head and K/V.
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3")
-KV_SCALE_BYTES = 4
+KV_SCALE_BYTES = 2
 # Spellings of torch dtypes that can appear in config.json's "torch_dtype" / "dtype".
 _CONFIG_DTYPE_NAMES = {
     "float32": "float32",

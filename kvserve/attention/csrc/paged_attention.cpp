@@ -17,7 +17,7 @@
 // a state (max m, sum l, unnormalised output o) is the log-sum-exp merge of the two partial attentions:
 // o = o1 * exp(m1 - m) + o2 * exp(m2 - m), l likewise, m = max(m1, m2).
 //
-// Element types are a template parameter behind `to_float` (float32; bfloat16, widened without scales; int8 and fp8 e4m3 with one float32 scale
+// Element types are a template parameter behind `to_float` (float32; bfloat16, widened without scales; int8 and fp8 e4m3 with one bfloat16 scale
 // per slot, KV head and K/V, kvserve/kv_cache/quant.py): a block's rows of one KV head are widened to float times
 // their scales into block-sized buffers that stay in L1, and the float code reads those. Another cache type is
 // one more `to_float` overload and one more case in `dispatch_dtype`.
@@ -95,26 +95,26 @@ struct State {
 };
 
 template <int kD, typename T>
-inline void widen_rows(const T* src, const float* scales, int64_t n, int64_t D_rt, int64_t stride,
+inline void widen_rows(const T* src, const Bf16* scales, int64_t n, int64_t D_rt, int64_t stride,
                        int64_t scale_stride, float* dst) {
   const int64_t D = kD > 0 ? kD : D_rt;
   for (int64_t t = 0; t < n; ++t) {
     const T* __restrict row = src + t * stride;
     float* __restrict o = dst + t * D;
-    const float s = kScaled<T> ? scales[t * scale_stride] : 1.0f;
+    const float s = kScaled<T> ? to_float(scales[t * scale_stride]) : 1.0f;
     for (int64_t d = 0; d < D; ++d) o[d] = to_float(row[d]) * s;
   }
 }
 
 // K rows [n, D] -> kt [D, BS] (columns past n zero), times their scales.
 template <int kD, int kBS, typename T>
-inline void transpose_rows(const T* src, const float* scales, int64_t n, int64_t D_rt, int64_t BS_rt,
+inline void transpose_rows(const T* src, const Bf16* scales, int64_t n, int64_t D_rt, int64_t BS_rt,
                            int64_t stride, int64_t scale_stride, float* kt) {
   const int64_t D = kD > 0 ? kD : D_rt, BS = kBS > 0 ? kBS : BS_rt;
   if (n < BS) std::fill(kt, kt + D * BS, 0.0f);
   for (int64_t t = 0; t < n; ++t) {
     const T* __restrict row = src + t * stride;
-    const float s = kScaled<T> ? scales[t * scale_stride] : 1.0f;
+    const float s = kScaled<T> ? to_float(scales[t * scale_stride]) : 1.0f;
     for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = to_float(row[d]) * s;
   }
 }
@@ -198,7 +198,7 @@ void matrix_rows(const Item& it, int64_t hh, int64_t blk, int64_t n, const float
 }
 
 template <int kD, int kBS, typename T>
-void run_item(const Item& it, const float* q, const T* kv, const float* kv_scales, const Geometry& g,
+void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales, const Geometry& g,
               float scale, const State& st, std::vector<float>& scratch) {
   constexpr bool kQuantized = kWidened<T>;  // widened into L1 buffers (int8, fp8: with scales; bf16: without)
   const int64_t D = kD > 0 ? kD : g.head_dim, BS = kBS > 0 ? kBS : g.block_size;
@@ -234,7 +234,7 @@ void run_item(const Item& it, const float* q, const T* kv, const float* kv_scale
   for (int64_t blk = it.first_block; blk < end_block; ++blk) {
     const int64_t n = std::min(BS, end_key - blk * BS);
     const T* base = kv + it.table[blk] * g.block_stride;
-    const float* sbase = kScaled<T> ? kv_scales + it.table[blk] * g.scale_block_stride : nullptr;
+    const Bf16* sbase = kScaled<T> ? kv_scales + it.table[blk] * g.scale_block_stride : nullptr;
     const int64_t ahead = blk + kPrefetchAhead;
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = it.h0 + hh;
@@ -257,7 +257,8 @@ void run_item(const Item& it, const float* q, const T* kv, const float* kv_scale
       }
       if (next && kScaled<T> && hh == 0) {
         const char* ns = reinterpret_cast<const char*>(kv_scales + it.table[ahead] * g.scale_block_stride);
-        for (int64_t off = 0; off < next_tokens * g.scale_slot_stride * 4; off += 64) __builtin_prefetch(ns + off);
+        const int64_t scale_bytes = next_tokens * g.scale_slot_stride * static_cast<int64_t>(sizeof(Bf16));
+        for (int64_t off = 0; off < scale_bytes; off += 64) __builtin_prefetch(ns + off);
       }
       const T* kraw = base + h * D;
       const T* vraw = base + (Hkv + h) * D;
@@ -345,7 +346,7 @@ void run_item(const Item& it, const float* q, const T* kv, const float* kv_scale
 }
 
 template <int kD, int kBS, typename T>
-void run_items(const std::vector<Item>& items, const float* q, const T* kv, const float* sp, const Geometry& g,
+void run_items(const std::vector<Item>& items, const float* q, const T* kv, const Bf16* sp, const Geometry& g,
                float scale, const State& st) {
   const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel
@@ -357,7 +358,7 @@ void run_items(const std::vector<Item>& items, const float* q, const T* kv, cons
 }
 
 template <typename T>
-void dispatch_shape(const std::vector<Item>& items, const float* q, const T* kv, const float* sp, const Geometry& g,
+void dispatch_shape(const std::vector<Item>& items, const float* q, const T* kv, const Bf16* sp, const Geometry& g,
                     float scale, const State& st) {
   const bool bs16 = g.block_size == 16;
   if (g.head_dim == 64 && bs16) {
@@ -373,7 +374,7 @@ void dispatch_shape(const std::vector<Item>& items, const float* q, const T* kv,
   }
 }
 
-void dispatch_dtype(const std::vector<Item>& items, const float* q, const torch::Tensor& kv, const float* sp,
+void dispatch_dtype(const std::vector<Item>& items, const float* q, const torch::Tensor& kv, const Bf16* sp,
                     const Geometry& g, float scale, const State& st) {
   const void* p = kv.data_ptr();
   if (kv.scalar_type() == torch::kFloat32) {
@@ -411,7 +412,7 @@ void add_items(std::vector<Item>& items, const int64_t* table, int64_t first_blo
 }  // namespace
 
 // q [T, Hq, D] float32; kv [num_blocks, block_size, 2, Hkv, D] (float32, or int8/float8_e4m3fn with kv_scales
-// [num_blocks, block_size, 2, Hkv] float32); block_table [B, max_blocks] int64; seq_lens [B] int64.
+// [num_blocks, block_size, 2, Hkv] bfloat16); block_table [B, max_blocks] int64; seq_lens [B] int64.
 // query_start (optional, [B + 1] int64): sequence b has the query tokens q[query_start[b]:query_start[b+1]] at
 // consecutive positions ending at seq_lens[b] - 1; absent: one query token per sequence.
 // Shared prefixes (optional, all three or none): group c is the sequences
@@ -424,14 +425,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor b
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous(),
               "paged_attention: inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 3, "paged_attention: q must be [T, Hq, D] float32");
-  const float* sp = nullptr;
+  const Bf16* sp = nullptr;
   if (kv_scales.has_value()) {
     TORCH_CHECK(kv.scalar_type() == torch::kInt8 || kv.scalar_type() == at::kFloat8_e4m3fn,
                 "paged_attention: a cache with scales must be int8 or float8_e4m3fn");
-    TORCH_CHECK(kv_scales->is_contiguous() && kv_scales->scalar_type() == torch::kFloat32 && kv_scales->dim() == 4 &&
+    TORCH_CHECK(kv_scales->is_contiguous() && kv_scales->scalar_type() == torch::kBFloat16 && kv_scales->dim() == 4 &&
                     kv.dim() == 5 && kv_scales->sizes() == kv.sizes().slice(0, 4),
-                "paged_attention: kv_scales must be contiguous float32 shaped as kv without head_dim");
-    sp = kv_scales->data_ptr<float>();
+                "paged_attention: kv_scales must be contiguous bfloat16 shaped as kv without head_dim");
+    sp = static_cast<const Bf16*>(kv_scales->data_ptr());
   } else {
     TORCH_CHECK(kv.scalar_type() == torch::kFloat32 || kv.scalar_type() == torch::kBFloat16,
                 "paged_attention: an unquantized cache must be float32 or bfloat16 (int8/fp8 need kv_scales)");
