@@ -49,3 +49,10 @@ def torchrun_rank() -> tuple[int, int] | None:
 def torchrun_local_rank() -> int:
     """LOCAL_RANK: the rank's index on its own host (its GPU there); 0 when unset."""
     return int(_get("LOCAL_RANK") or 0)
+
+
+def quant_fixed_point() -> bool:
+    """KVSERVE_QUANT_FIXED_POINT=1: the int8/int4 kernels round one or two input rows to 16-bit fixed point
+    and multiply-add as integers (layers/quant/kernels.py). Off by default: faster single-stream decode, but
+    with ngram speculation on it cost `mixed` through the server ~13% (README, Quantization)."""
+    return _get("KVSERVE_QUANT_FIXED_POINT") == "1"

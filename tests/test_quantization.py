@@ -152,8 +152,12 @@ def _methods():
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in _methods()])
-@pytest.mark.parametrize("rows", [1, 13, 16, 512])  # 13: a full and a partial 8-row chunk
-def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, kernel_path):
+@pytest.mark.parametrize("rows", [1, 2, 13, 16, 512])  # 13: a full and a partial 8-row chunk
+@pytest.mark.parametrize("fixed_point", [False, True])
+def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, fixed_point, kernel_path, monkeypatch):
+    if fixed_point and rows > 2:
+        pytest.skip("fixed point only changes one or two rows")
+    monkeypatch.setenv("KVSERVE_QUANT_FIXED_POINT", "1" if fixed_point else "")
     _, method, ggml_type = next(m for m in _methods() if m[0] == name)
     torch.manual_seed(3)
     n, k = 160, 384
@@ -169,8 +173,9 @@ def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, kerne
         assert (deq - w).abs().max() <= w.abs().max() / (15 if name.startswith("int4") else 254) * 1.001
     x = torch.randn(rows, k)
     y = layer(x)
-    # at one or two rows the C++ kernel multiplies a 16-bit fixed-point copy of x (kernels.py)
-    x_used = _fixed_point(x) if rows <= kernels.fixed_point_rows() else x
+    # with KVSERVE_QUANT_FIXED_POINT=1, at one or two rows the C++ kernel multiplies a 16-bit fixed-point copy
+    # of x (kernels.py)
+    x_used = _fixed_point(x) if fixed_point and rows <= kernels.fixed_point_rows() else x
     torch.testing.assert_close(y, F.linear(x_used, deq, bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x.reshape(rows, 1, k)).reshape(rows, n), y, rtol=1e-5, atol=1e-5)
 
@@ -198,11 +203,12 @@ def test_bfloat16_activations_run_the_quantized_matmul(name, rows, kernel_path):
                                rtol=2e-2, atol=2e-2)
 
 
-def test_fixed_point_rows_are_within_their_rounding_bound(kernel_path):
-    """The single-row kernels' only departure from float32: each input run of 32 columns rounded to 2^-16 of
-    its largest |x| (an outlier column coarsens only its own run), so |y - x W^T| <= sum_k |w_k| step_k / 2."""
+def test_fixed_point_rows_are_within_their_rounding_bound(kernel_path, monkeypatch):
+    """KVSERVE_QUANT_FIXED_POINT=1's only departure from float32: each input run of 32 columns rounded to 2^-16
+    of its largest |x| (an outlier column coarsens only its own run), so |y - x W^T| <= sum_k |w_k| step_k / 2."""
     if kernels.fixed_point_rows() == 0:
         pytest.skip("no fixed-point rows on this path")
+    monkeypatch.setenv("KVSERVE_QUANT_FIXED_POINT", "1")
     torch.manual_seed(5)
     n, k = 96, 256
     w = torch.randn(n, k) * 0.05

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve import envs
 from kvserve.layers.linear_methods import LinearMethod
 from kvserve.layers.quant import kernels
 from kvserve.layers.quant.common import drop_dense_weight
@@ -24,6 +25,7 @@ class GGUFMethod:
     def __init__(self, dense: LinearMethod):
         self.dense = dense
         self.scratch = kernels.DenseScratch()
+        self.fixed_point = envs.quant_fixed_point()
         """The method of layers whose parts are not all kept blocks (see the module docstring)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -52,9 +54,10 @@ class GGUFMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.quant_format == "int4":
-            return kernels.int4_linear(x, layer.qweight, layer.scales, layer.mins, QK, bias, self.scratch)
+            return kernels.int4_linear(x, layer.qweight, layer.scales, layer.mins, QK, bias, self.scratch,
+                                       self.fixed_point)
         if layer.quant_format == "int8":
-            return kernels.int8_linear(x, layer.qweight, layer.scales, QK, bias, self.scratch)
+            return kernels.int8_linear(x, layer.qweight, layer.scales, QK, bias, self.scratch, self.fixed_point)
         return self.dense.apply(layer, x, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:

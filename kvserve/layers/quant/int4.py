@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve import envs
 from kvserve.config.quantization import INT4_GROUP_SIZES
 from kvserve.layers.quant import kernels
 from kvserve.layers.quant.common import check_group_size, drop_dense_weight, pack_nibbles
@@ -36,6 +37,7 @@ class Int4WeightOnlyMethod:
             raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
         self.group_size = group_size
         self.scratch = kernels.DenseScratch()
+        self.fixed_point = envs.quant_fixed_point()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         check_group_size(layer, self.group_size, getattr(layer, "prefix", type(layer).__name__), "int4")
@@ -46,7 +48,7 @@ class Int4WeightOnlyMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return kernels.int4_linear(x, layer.qweight, layer.scales, layer.mins, layer.group_size, bias,
-                                   self.scratch)
+                                   self.scratch, self.fixed_point)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """[out, in] float32: the weight apply multiplies by."""

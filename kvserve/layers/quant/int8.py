@@ -5,7 +5,8 @@ activations stay float32.
     w[n, k] ~= q[n, k] * scale[n, g],   q in [-127, 127],   scale[n, g] = max_{k in g} |w[n, k]| / 127
 
 The matmul is kernels.int8_linear (our AVX-512 kernel at decode sizes, a dequantized dense matmul at
-prefill sizes; at one or two rows the kernel rounds x to 16-bit fixed point, see kernels.py); a
+prefill sizes; with KVSERVE_QUANT_FIXED_POINT=1 it rounds one or two rows of x to 16-bit fixed point,
+see kernels.py); a
 per-channel weight runs it with one group spanning the row. PyTorch's
 `_weight_int8pack_mm` is fast only with bfloat16 activations, which would round every layer's input; with
 float32 ones it runs scalar code (`python -m kvserve.layers.quant.bench`).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve import envs
 from kvserve.config.quantization import GROUP_SIZES, PER_CHANNEL
 from kvserve.layers.quant import kernels
 from kvserve.layers.quant.common import check_group_size, drop_dense_weight
@@ -40,6 +42,7 @@ class Int8WeightOnlyMethod:
             raise ValueError(f"int8 group size must be one of {GROUP_SIZES} or -1 (per channel), got {group_size}")
         self.group_size = group_size
         self.scratch = kernels.DenseScratch()
+        self.fixed_point = envs.quant_fixed_point()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.group_size != PER_CHANNEL:
@@ -51,7 +54,8 @@ class Int8WeightOnlyMethod:
         return layer.qweight.shape[1] // layer.scales.shape[1]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernels.int8_linear(x, layer.qweight, layer.scales, self._group(layer), bias, self.scratch)
+        return kernels.int8_linear(x, layer.qweight, layer.scales, self._group(layer), bias, self.scratch,
+                                   self.fixed_point)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """[out, in] float32: the weight apply multiplies by."""

@@ -1,9 +1,10 @@
 """The weight-only matmuls for float32 activations: the C++ kernels (csrc/quant_linear.cpp) when they build,
 else PyTorch (dequantize the whole weight, then F.linear: correct, slower). Both compute a matmul on the
-dequantized weight, so the two differ only by summation order, except at one or two input rows
-(`fixed_point_rows()`, single-stream decode): there the C++ kernel rounds each run of 32 input columns to
-16-bit fixed point with its own scale (error <= 2^-16 of the run's largest |x|, 128x finer than bfloat16),
-which lets it multiply-add weights as integers: 1.6x the float kernel's rate per core for int8.
+dequantized weight, so the two differ only by summation order, except with `fixed_point` (the methods pass
+envs.quant_fixed_point(), off by default) at one or two input rows (`fixed_point_rows()`, single-stream
+decode): there the C++ kernel rounds each run of 32 input columns to 16-bit fixed point with its own scale
+(error <= 2^-16 of the run's largest |x|, 128x finer than bfloat16), which lets it multiply-add weights as
+integers: 1.6x the float kernel's rate per core for int8.
 
 From `DENSE_ROWS` input rows on, the weight is dequantized into a float32 matrix and handed to oneDNN (MKL's
 F.linear where oneDNN is absent): a prefill chunk is compute-bound there, and the extra pass over the weight
@@ -59,7 +60,7 @@ def available() -> bool:
 
 
 def fixed_point_rows() -> int:
-    """Input rows up to which the C++ kernels round x to 16-bit fixed point (0: they never do)."""
+    """Input rows up to which the C++ kernels round x to 16-bit fixed point when asked (0: they cannot)."""
     m = _module()
     return 0 if m is None else m.fixed_rows()
 
@@ -129,7 +130,8 @@ def _kernel_takes(m, x2: torch.Tensor) -> bool:
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int,
-                bias: torch.Tensor | None, scratch: DenseScratch | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None, scratch: DenseScratch | None = None,
+                fixed_point: bool = False) -> torch.Tensor:
     """x [..., K] float32 or bfloat16 -> [..., N] (x's dtype) with w = int8_dequantize(q, scales, group)."""
     x2 = _rows(x)
     m = _module()
@@ -137,13 +139,14 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: i
         y = _dense_chunked(x2, q.shape[0], lambda a, b, out: int8_dequantize(q[a:b], scales[a:b], group, out),
                            bias, scratch)
     else:
-        y = m.int8_linear(x2.float(), q, scales, group).to(x2.dtype)
+        y = m.int8_linear(x2.float(), q, scales, group, fixed=fixed_point).to(x2.dtype)
         y = y if bias is None else y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def int4_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
-                bias: torch.Tensor | None, scratch: DenseScratch | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None, scratch: DenseScratch | None = None,
+                fixed_point: bool = False) -> torch.Tensor:
     """x [..., K] float32 or bfloat16 -> [..., N] (x's dtype) with w = int4_dequantize(q, scales, mins, group)."""
     x2 = _rows(x)
     m = _module()
@@ -152,6 +155,6 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: to
                            lambda a, b, out: int4_dequantize(q[a:b], scales[a:b], mins[a:b], group, out),
                            bias, scratch)
     else:
-        y = m.int4_linear(x2.float(), q, scales, mins, group).to(x2.dtype)
+        y = m.int4_linear(x2.float(), q, scales, mins, group, fixed=fixed_point).to(x2.dtype)
         y = y if bias is None else y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
