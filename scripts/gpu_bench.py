@@ -133,20 +133,10 @@ def run_hf_static(cfg, requests, batch_size: int, device: str) -> tuple[float, i
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else None).eval()
+    from kvserve.bench.offline import hf_static_batches
+
     start = time.perf_counter()
-    useful = 0
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for j, r in enumerate(batch):  # left padding, as HF generation requires for decoder-only models
-            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[j, width - len(r.prompt_token_ids):] = 1
-        new = max(r.max_tokens for r in batch)
-        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0)
-        useful += sum(min(r.max_tokens, out.shape[1] - width) for r in batch)
+    useful = hf_static_batches(model, requests, batch_size, device)
     _sync()
     seconds = time.perf_counter() - start
     del model

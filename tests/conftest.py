@@ -109,4 +109,15 @@ def run_to_completion(engine, check_every_step: bool = True) -> dict:
     return finished
 
 
+def run_last_after_prefix(engine, prompts: list, params) -> dict:
+    """All prompts but the last to completion, then the last (whose prefix the others left in the prefix
+    cache, so it is a cache hit), then the cache emptied; invariants after every step. Outputs by index."""
+    for i, prompt in enumerate(prompts[:-1]):
+        engine.add_request(str(i), prompt, params)
+    done = step_until_idle(engine)
+    engine.add_request(str(len(prompts) - 1), prompts[-1], params)
+    done |= run_to_completion(engine)
+    return done
+
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

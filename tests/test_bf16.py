@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from conftest import ATTENTION_BACKENDS, make_tiny_checkpoint, run_to_completion, step_until_idle
+from conftest import ATTENTION_BACKENDS, make_tiny_checkpoint, run_last_after_prefix
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
@@ -208,11 +208,7 @@ def test_engine_bf16_greedy_follows_transformers_bf16(tiny_llama, blocks):
                                num_gpu_blocks_override=blocks))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = _prompts()
-    for i, p in enumerate(prompts[:-1]):
-        engine.add_request(str(i), p, params)
-    done = step_until_idle(engine)
-    engine.add_request(str(len(prompts) - 1), prompts[-1], params)   # after the shared prefix is cached
-    done |= run_to_completion(engine)
+    done = run_last_after_prefix(engine, prompts, params)
     assert engine.scheduler.stats.num_prefix_hit_tokens >= 48
     assert (engine.scheduler.stats.num_preemptions > 0) == (blocks == 12)
     for i, prompt in enumerate(prompts):

@@ -86,15 +86,20 @@ def test_enforce_eager_flag():
     assert EngineArgs(enforce_eager=True).create_engine_config().device.enforce_eager
 
 
+def _dummy_smollm2(folder, **changes) -> None:
+    """A config.json in `folder`: SmolLM2-135M's shape with `changes` (load_format="dummy" gives it weights)."""
+    cfg = json.load(open(f"{builtin_config_dir('SmolLM2-135M')}/config.json"))
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
 def test_warm_up_forward_runs_at_the_largest_batch_on_cpu(tmp_path):
     """The warm-up the CUDA plan measures is device-independent code: run it on CPU on a tiny model."""
     from kvserve.config import EngineArgs
     from kvserve.worker.worker import Worker
 
-    cfg = json.load(open(f"{builtin_config_dir('SmolLM2-135M')}/config.json"))
-    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    _dummy_smollm2(tmp_path, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
     args = EngineArgs(model=str(tmp_path), load_format="dummy", max_num_batched_tokens=100, max_num_seqs=8,
                       attention_backend="torch_ref", speculative_config=None)
     worker = Worker(args.create_engine_config())
@@ -108,9 +113,7 @@ def test_cuda_graphs_match_eager_greedy(tmp_path):
     """A tiny dummy model served with and without graphs: the same greedy tokens, and graphs replayed."""
     from kvserve import LLM, SamplingParams
 
-    cfg = json.load(open(f"{builtin_config_dir('SmolLM2-135M')}/config.json"))
-    cfg.update(num_hidden_layers=4, max_position_embeddings=512)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    _dummy_smollm2(tmp_path, num_hidden_layers=4, max_position_embeddings=512)
     prompts = [list(range(1 + i, 30 + 7 * i)) for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = {}
@@ -134,9 +137,7 @@ def test_seeded_device_sampling_is_batch_invariant(tmp_path):
     """Seeded requests draw from their own CUDA generators: same tokens alone or in a batch."""
     from kvserve import LLM, SamplingParams
 
-    cfg = json.load(open(f"{builtin_config_dir('SmolLM2-135M')}/config.json"))
-    cfg.update(num_hidden_layers=2, max_position_embeddings=512)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    _dummy_smollm2(tmp_path, num_hidden_layers=2, max_position_embeddings=512)
     llm = LLM(model=str(tmp_path), load_format="dummy", device="cuda", max_num_seqs=8, speculative_config=None,
               num_gpu_blocks_override=256)
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_to_completion, step_until_idle
+from conftest import run_last_after_prefix
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
@@ -254,11 +254,7 @@ def _greedy_run(path, kv_cache_dtype, **kwargs):
                                speculative_config=None, **kwargs))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     prompts = _prompts()
-    for i, p in enumerate(prompts[:-1]):
-        engine.add_request(str(i), p, params)
-    done = step_until_idle(engine)
-    engine.add_request(str(len(prompts) - 1), prompts[-1], params)   # after the shared prefix is cached
-    done |= run_to_completion(engine)
+    done = run_last_after_prefix(engine, prompts, params)
     return engine, [done[str(i)].outputs[0] for i in range(len(prompts))]
 
 

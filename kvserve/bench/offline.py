@@ -79,8 +79,9 @@ def run_hf_single(model, requests: list[WorkloadRequest]) -> RunResult:
 
 
 @torch.inference_mode()
-def run_hf_batched(model, requests: list[WorkloadRequest], batch_size: int) -> RunResult:
-    start = time.perf_counter()
+def hf_static_batches(model, requests: list[WorkloadRequest], batch_size: int, device: str = "cpu") -> int:
+    """`model.generate` over static batches of `batch_size` (every row runs to its batch's longest output);
+    returns the output tokens the requests asked for."""
     useful = 0
     for i in range(0, len(requests), batch_size):
         batch = requests[i:i + batch_size]
@@ -91,9 +92,15 @@ def run_hf_batched(model, requests: list[WorkloadRequest], batch_size: int) -> R
             ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
             mask[j, width - len(r.prompt_token_ids):] = 1
         new = max(r.max_tokens for r in batch)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=0)
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0)
         useful += sum(min(r.max_tokens, out.shape[1] - width) for r in batch)
+    return useful
+
+
+def run_hf_batched(model, requests: list[WorkloadRequest], batch_size: int) -> RunResult:
+    start = time.perf_counter()
+    useful = hf_static_batches(model, requests, batch_size)
     seconds = time.perf_counter() - start
     return RunResult(f"transformers static batches of {batch_size}", seconds, len(requests),
                      sum(len(r.prompt_token_ids) for r in requests), useful)
