@@ -152,7 +152,9 @@ def _methods():
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in _methods()])
-@pytest.mark.parametrize("rows", [1, 2, 13, 16, 512])  # 13: a full and a partial 8-row chunk
+# 13: a full and a partial 8-row pass; 25: the panels (160 outputs: two full panels of 64 and a partial one);
+# 100: the panels with x in three blocks of input rows (34, 34, 32); 512: the dense path
+@pytest.mark.parametrize("rows", [1, 2, 13, 16, 25, 100, 512])
 @pytest.mark.parametrize("fixed_point", [False, True])
 def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, fixed_point, kernel_path, monkeypatch):
     if fixed_point and rows > 2:
@@ -188,7 +190,7 @@ def _fixed_point(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["int8 g32", "int4 g32"])
-@pytest.mark.parametrize("rows", [1, 13, kernels.DENSE_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 13, kernels.BF16_DENSE_ROWS + 3])
 def test_bfloat16_activations_run_the_quantized_matmul(name, rows, kernel_path):
     """--dtype bfloat16 with --quantization: decode-sized rows through the kernel in float32 (not the dense
     path's per-call dequantization), prefill-sized ones through a bfloat16 matmul; bfloat16 out either way."""

@@ -6,10 +6,11 @@ decode): there the C++ kernel rounds each run of 32 input columns to 16-bit fixe
 (error <= 2^-16 of the run's largest |x|, 128x finer than bfloat16), which lets it multiply-add weights as
 integers: 1.6x the float kernel's rate per core for int8.
 
-From `DENSE_ROWS` input rows on, the weight is dequantized into a float32 matrix and handed to oneDNN (MKL's
-F.linear where oneDNN is absent): a prefill chunk is compute-bound there, and the extra pass over the weight
-costs little next to the matmul; below it (decode, small batches) the kernel reads only the quantized bytes,
-dequantizing in registers for up to 8 rows at a time.
+Below `DENSE_ROWS` input rows the C++ kernel reads only the quantized bytes: for decode sizes it dequantizes
+in registers for up to 8 rows at a time, for batches into L2-sized panels multiplied by oneDNN's GEMM
+micro-kernel. From DENSE_ROWS on (and from BF16_DENSE_ROWS for bfloat16 activations) the weight is
+dequantized into a float32 matrix and handed to oneDNN (MKL's F.linear where oneDNN is absent): a prefill
+chunk is compute-bound there, and the extra pass over the weight costs little next to the matmul.
 """
 from __future__ import annotations
 
@@ -22,9 +23,13 @@ import torch.nn.functional as F
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "quant_linear.cpp")
 
-DENSE_ROWS = 24
+DENSE_ROWS = 128
 """Input rows from which a quantized layer dequantizes and calls the dense matmul (bench.py measures both
-sides: the register kernel wins at decode sizes, oneDNN's blocked GEMM at prefill sizes)."""
+sides: the panels win at batch sizes, oneDNN's blocked GEMM on the whole weight at prefill sizes)."""
+
+BF16_DENSE_ROWS = 24
+"""The same for bfloat16 activations: the kernels compute in float32, the dense bfloat16 matmul at twice the
+rate, so it wins from fewer rows."""
 
 DENSE_CHUNK = 1 << 21
 """Most weights dequantized at once on the dense path (8 MiB of float32, into a DenseScratch). A larger
@@ -125,8 +130,8 @@ def _kernel_takes(m, x2: torch.Tensor) -> bool:
     """Whether the C++ kernel runs these rows: decode sizes on the CPU, float32 or bfloat16 (--dtype
     bfloat16: the few rows go through it in float32; prefill-sized bfloat16 rows take the dense bfloat16
     matmul)."""
-    return (m is not None and x2.shape[0] < DENSE_ROWS and x2.device.type == "cpu"
-            and x2.dtype in (torch.float32, torch.bfloat16))
+    limit = {torch.float32: DENSE_ROWS, torch.bfloat16: BF16_DENSE_ROWS}.get(x2.dtype, 0)
+    return m is not None and x2.shape[0] < limit and x2.device.type == "cpu"
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int,

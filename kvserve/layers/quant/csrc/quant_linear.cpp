@@ -1,8 +1,9 @@
 // Weight-only quantized linear layers for CPU float32 activations: y[m, n] = sum_k x[m, k] * w[n, k], with w
-// dequantized one output row at a time into a float32 buffer (L1-sized) and dotted with every input row.
+// dequantized in registers for decode-sized inputs (linear_small) and in L2-sized panels for batches
+// (linear_panels).
 // PyTorch's own weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are fast only with
 // bfloat16 inputs; with float32 (or float16) ones they run scalar code. Here the weight bytes are read
-// once per call, and the products equal a dense matmul on the dequantized weight up to summation order.
+// once per call (once per 8 rows at decode sizes), and the products equal a dense matmul on the dequantized weight up to summation order.
 //
 // Formats (w is [N, K], groups of `group` input columns, group a multiple of 32):
 //   int8:  q [N, K] int8,  scale [N, K/group]            w = q * scale
@@ -10,6 +11,7 @@
 //          32 weights the 16 bytes hold weights 0..15 in their low nibbles and 16..31 in the high ones
 //          (GGUF's Q4_0/Q4_1 nibble order, so those blocks' bytes are used as stored).
 #include <torch/extension.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <immintrin.h>
 
@@ -28,23 +30,6 @@ void check(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& 
   TORCH_CHECK(group % 32 == 0 && k % group == 0, "quant_linear: group ", group, " must be a multiple of 32 ",
               "dividing K = ", k);
   TORCH_CHECK(scale.numel() == q.size(0) * (k / group), "quant_linear: scales must be [N, K / group]");
-}
-
-inline float dot(const float* a, const float* b, int64_t k) {
-#ifdef __AVX512F__
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= k; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-  }
-  float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#else
-  float s = 0.0f;
-  int64_t i = 0;
-#endif
-  for (; i < k; ++i) s += a[i] * b[i];
-  return s;
 }
 
 inline void dequant_row_int8(const int8_t* q, const float* scale, int64_t group, int64_t k, float* w) {
@@ -268,17 +253,38 @@ void linear_fixed(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t 
 }
 #endif
 
-// Dequantize row n of the weight into w (K floats) with `row`, then y[:, n] = x w.
+// Batch sizes (more rows than linear_small takes in one pass): the weight goes through in panels of
+// output rows, each dequantized into a per-thread buffer that stays in L2 and multiplied by all of x with
+// oneDNN's single-thread GEMM micro-kernel (ATen's cpublas::brgemm), as y^T[panel] = W[panel] x^T. The
+// weight is read once as stored, and no float32 copy of it ever reaches memory: dequantizing a whole layer
+// and handing it to a GEMM wrote and re-read 4 bytes per weight (and oneDNN reordered it again per call).
+constexpr int64_t kPanelRows = 64;
+constexpr int64_t kPanelCols = 48;
+constexpr int64_t kSmallRows = 24;  // linear_small's passes of 8 rows beat the panels up to here (bench.py)
+
 template <typename RowFn>
-void linear_rows(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t k, RowFn row) {
+void linear_panels(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t k, RowFn row) {
+  // Input rows in blocks of at most kPanelCols (the micro-kernel's N), as even as possible.
+  const int64_t blocks = (m + kPanelCols - 1) / kPanelCols, cols = (m + blocks - 1) / blocks;
+  std::vector<float> xt(k * m);  // x^T [K, M]: the micro-kernel's B operand
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < k; ++j) xt[j * m + i] = xp[i * k + j];
+  const int64_t panels = (n_out + kPanelRows - 1) / kPanelRows;
 #pragma omp parallel
   {
-    std::vector<float> w(k);
+    std::vector<float> w(kPanelRows * k), yt(kPanelRows * cols);
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < n_out; ++n) {
-      row(n, w.data());
-      for (int64_t i = 0; i < m; ++i) yp[i * n_out + n] = dot(xp + i * k, w.data(), k);
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t n0 = p * kPanelRows, rows = std::min(kPanelRows, n_out - n0);
+      for (int64_t r = 0; r < rows; ++r) row(n0 + r, w.data() + r * k);
+      for (int64_t i0 = 0; i0 < m; i0 += cols) {
+        const int64_t c = std::min(cols, m - i0);
+        at::native::cpublas::brgemm(rows, c, k, k, m, c, false, w.data(), xt.data() + i0, yt.data(), false);
+        for (int64_t i = 0; i < c; ++i)
+          for (int64_t r = 0; r < rows; ++r) yp[(i0 + i) * n_out + n0 + r] = yt[r * c + i];
+      }
     }
+    at::native::cpublas::brgemm_release(false);
   }
 }
 
@@ -322,12 +328,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   }
 #endif
 #ifdef __AVX512F__
-  if (m <= 32) {
+  if (m <= kSmallRows) {
     linear_small(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, Int8Block{qp, sp, k, group});
     return y;
   }
 #endif
-  linear_rows(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, [&](int64_t n, float* w) {
+  linear_panels(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, [&](int64_t n, float* w) {
     dequant_row_int8(qp + n * k, sp + n * (k / group), group, k, w);
   });
   return y;
@@ -351,12 +357,12 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   }
 #endif
 #ifdef __AVX512F__
-  if (m <= 32) {
+  if (m <= kSmallRows) {
     linear_small(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, Int4Block{qp, sp, mp, k, group});
     return y;
   }
 #endif
-  linear_rows(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, [&](int64_t n, float* w) {
+  linear_panels(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, [&](int64_t n, float* w) {
     dequant_row_int4(qp + n * (k / 2), sp + n * (k / group), mp + n * (k / group), group, k, w);
   });
   return y;
