@@ -153,7 +153,7 @@ def _methods():
 
 @pytest.mark.parametrize("name", [name for name, _, _ in _methods()])
 # 13: a full and a partial 8-row pass; 25: the panels (160 outputs: two full panels of 64 and a partial one);
-# 100: the panels with x in three blocks of input rows (34, 34, 32); 512: the dense path
+# 100: the panels with x in three blocks of input rows (48, 48, 4); 512: the dense path
 @pytest.mark.parametrize("rows", [1, 2, 13, 16, 25, 100, 512])
 @pytest.mark.parametrize("fixed_point", [False, True])
 def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, fixed_point, kernel_path, monkeypatch):

@@ -126,3 +126,39 @@ def test_latency_budget_counts_earlier_chunks_floor_and_relative_target():
     slow = LatencyBudget(LinearStepCost(per_token=0.002), 0.050, many)  # decodes alone 60 ms > target
     assert slow.target_s == pytest.approx(0.12)
     assert slow.cap(0, 500) == 30
+
+
+class _KneeCost:
+    """A quantized model's step: a token costs per_token + below_knee up to `knee` step tokens (the register
+    kernel), per_token beyond (the panels), plus attention's per-pair cost."""
+
+    def __init__(self, knee: int = 24):
+        self.knee = knee
+
+    def predict(self, f: StepFeatures) -> float:
+        return 0.006 + 0.8e-3 * f.num_tokens + 0.5e-3 * min(f.num_tokens, self.knee) + 0.5e-6 * f.num_pairs
+
+
+def test_a_knee_in_the_step_time_is_fitted_not_charged_to_long_chunks():
+    """Decodes of 1-64 sequences and chunks beside them, on a step cost that bends at 24 tokens: with the knee
+    feature the fit predicts a long chunk within 5%; one line through both bends over-predicts it, which shrank
+    the chunks the latency budget grants (the reason for the feature)."""
+    truth, rng = _KneeCost(), np.random.default_rng(3)
+    fits = {knee: OnlineStepCost(knee_rows=knee) for knee in (0, 24)}
+    for _ in range(400):
+        f = sum((StepFeatures.of_request(int(rng.integers(50, 800)), 1) for _ in range(int(rng.integers(1, 65)))),
+                StepFeatures())
+        if rng.random() < 0.3:
+            f = f + StepFeatures.of_request(int(rng.integers(0, 1500)), int(rng.integers(16, 400)))
+        for cost in fits.values():
+            cost.observe(f, truth.predict(f))
+    chunk = StepFeatures.of_request(0, 512)
+    with_knee, without = (fits[k].predict(chunk) / truth.predict(chunk) for k in (24, 0))
+    assert with_knee == pytest.approx(1.0, abs=0.05), fits[24].describe()
+    assert abs(without - 1.0) > 2 * abs(with_knee - 1.0), fits[0].describe()
+    for n in (1, 8, 24, 32, 64):
+        decodes = sum((StepFeatures.of_request(300, 1) for _ in range(n)), StepFeatures())
+        assert fits[24].predict(decodes) == pytest.approx(truth.predict(decodes), rel=0.05)
+    assert "up to 24" in fits[24].describe() and (fits[24].coefficients >= 0).all()
+    with pytest.raises(ValueError, match="knee_rows"):
+        OnlineStepCost(knee_rows=-1)

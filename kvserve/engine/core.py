@@ -16,8 +16,10 @@ from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
 from kvserve.kv_cache.quant import dtype_name
+from kvserve.layers.quant import step_cost_knee
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.step_cost import OnlineStepCost
 from kvserve.spec_decode.policy import DraftLengthPolicy
 from kvserve.structured_output.manager import StructuredOutputManager
 from kvserve.worker.executor import make_executor
@@ -58,7 +60,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, kv, policy,
                                    spec_lookahead=spec is not None and spec.method == "draft_model",
                                    max_loras=config.lora.max_loras if config.lora else None,
-                                   structured=StructuredOutputManager(self._load_tokenizer, config.model.vocab_size))
+                                   structured=StructuredOutputManager(self._load_tokenizer, config.model.vocab_size),
+                                   step_cost=OnlineStepCost(knee_rows=step_cost_knee(config.quantization,
+                                                                                     config.device.device.type)))
         self._aborted: list[EngineCoreOutput] = []
         mc = config.model
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,

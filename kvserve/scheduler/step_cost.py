@@ -21,7 +21,12 @@ the number of sequences barely changes (the intercept, tokens and sequences are 
   at 0, solve again), not a clamp of the free solution: clamping one coefficient of a collinear pair
   without refitting the others over-predicted decode steps 3.6x in a replay (tests/test_step_cost_replay.py),
   which the 2x-decode rule then turned into 400 ms steps.
-Five features: a few 5x5 solves per step, some microseconds.
+A model whose linears switch kernels at some step size gets a sixth feature, min(tokens, knee_rows): the
+quantized kernels (layers/quant/kernels.py) read the weight once per 8 rows up to kernels.small_rows() and
+run L2-sized panels beyond, so a row costs ~1.3 ms up to 24 and ~0.8 ms after (SmolLM2 int8 decode steps,
+scripts/decode_step_times.py). One line through both bends towards the per-pair coefficient instead, which
+then over-predicted long prompt chunks (int8's fit: 1.0 us/pair against fp32's 0.58), shrinking them.
+Five or six features: a few small solves per step, some microseconds.
 """
 from __future__ import annotations
 
@@ -68,17 +73,21 @@ class StepCost(Protocol):
 
 
 # Units the coefficients are fitted in, so that each is O(1) and the solves are well conditioned.
-_SCALE = np.array([1.0, 256.0, 16.0, 16384.0, 262144.0])
+_SCALE = np.array([1.0, 256.0, 16.0, 16384.0, 262144.0, 16.0])
 # Prior in seconds per unit above: SmolLM2-135M fp32 on 2 cores (README: a 16-decode step ~55 ms, a
 # 32-64-decode step of `mixed` ~165 ms, a 512-token prompt step ~450 ms): ~35 ms a step (the weights are
 # read once a step), ~0.6 ms a token through the linears, ~0.1 ms a sequence, ~2.5 us a context token
 # (46 KB of K/V at ~17 GB/s), ~0.4 us a query-key pair. A larger model or a faster machine corrects it
 # within a few steps.
-_PRIOR = np.array([0.035, 0.6e-3, 0.1e-3, 2.5e-6, 0.4e-6]) * _SCALE
+# The knee's prior (the sixth: per row below the knee) is small: a model without one fits it away.
+_PRIOR = np.array([0.035, 0.6e-3, 0.1e-3, 2.5e-6, 0.4e-6, 0.05e-3]) * _SCALE
 
 
-def _vector(f: StepFeatures) -> np.ndarray:
-    return np.array([1.0, f.num_tokens, f.num_seqs, f.num_context_tokens, f.num_pairs]) / _SCALE
+def _vector(f: StepFeatures, knee_rows: int) -> np.ndarray:
+    x = [1.0, f.num_tokens, f.num_seqs, f.num_context_tokens, f.num_pairs]
+    if knee_rows:
+        x.append(min(f.num_tokens, knee_rows))
+    return np.array(x) / _SCALE[: len(x)]
 
 
 def _decodes(n: int, context: int) -> StepFeatures:
@@ -93,11 +102,19 @@ _PSEUDO_STEPS = (_decodes(1, 100), _decodes(16, 300), _decodes(64, 500), StepFea
 class OnlineStepCost:
     """StepCost fitted to the steps the engine runs (see the module docstring)."""
 
-    def __init__(self, decay: float = 0.98, prior_strength: float = 0.5, prior: np.ndarray | None = None):
+    def __init__(self, decay: float = 0.98, prior_strength: float = 0.5, prior: np.ndarray | None = None,
+                 knee_rows: int = 0):
+        """knee_rows: step tokens up to which a token costs more (the module docstring); 0: no knee."""
+        if knee_rows < 0:
+            raise ValueError(f"knee_rows must be >= 0, got {knee_rows}")
+        self.knee_rows = knee_rows
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay = decay
-        self.prior = np.array(_PRIOR if prior is None else prior, dtype=np.float64)
+        n = 6 if knee_rows else 5
+        self.prior = np.array(_PRIOR[:n] if prior is None else prior, dtype=np.float64)
+        if self.prior.shape != (n,):
+            raise ValueError(f"prior must have {n} coefficients, got {self.prior.shape}")
         if (self.prior <= 0).any():
             raise ValueError(f"prior coefficients must be > 0, got {self.prior}")
         if prior_strength <= 0:
@@ -106,7 +123,7 @@ class OnlineStepCost:
         # steps' worth in all (never decayed): a pull measured in the same relative error as the data, and
         # spread over directions the way real steps weigh them, so a coefficient that matters little to
         # any step (per sequence) is not held at its prior any harder than one that matters a lot.
-        pseudo = np.array([_vector(f) for f in _PSEUDO_STEPS])
+        pseudo = np.array([_vector(f, knee_rows) for f in _PSEUDO_STEPS])
         w = prior_strength / len(pseudo) / (pseudo @ self.prior) ** 2
         self._ridge = (pseudo * w[:, None]).T @ pseudo
         self._xx = np.zeros((len(self.prior), len(self.prior)))
@@ -117,7 +134,7 @@ class OnlineStepCost:
     def observe(self, features: StepFeatures, seconds: float) -> None:
         if features.num_tokens <= 0 or not seconds > 0.0:
             return
-        x = _vector(features)
+        x = _vector(features, self.knee_rows)
         # NOTE: weighted by 1 / (step time)^2, i.e. a fit of relative error: step-time noise is proportional to the
         # step (a 1 s prompt step jitters by more than a whole 30 ms decode step takes), and plain least squares
         # would spend the fit on the big steps, leaving decode steps -- the ones the latency target is
@@ -135,17 +152,19 @@ class OnlineStepCost:
 
     @property
     def coefficients(self) -> np.ndarray:
-        """Seconds per unit of (step, token, sequence, context token, pair), in natural units."""
-        return self._coef / _SCALE
+        """Seconds per unit of (step, token, sequence, context token, pair[, token below the knee]), in natural
+        units."""
+        return self._coef / _SCALE[: len(self._coef)]
 
     def predict(self, features: StepFeatures) -> float:
-        return float(_vector(features) @ self._coef)
+        return float(_vector(features, self.knee_rows) @ self._coef)
 
     def describe(self) -> str:
         """The fitted coefficients in readable units (bench itl prints them)."""
         c = self.coefficients
+        knee = f" + {c[5] * 1e3:.3f} ms/token up to {self.knee_rows}" if self.knee_rows else ""
         return (f"{c[0] * 1e3:.1f} ms/step + {c[1] * 1e3:.3f} ms/token + {c[2] * 1e3:.3f} ms/seq + "
-                f"{c[3] * 1e6:.2f} us/context token + {c[4] * 1e6:.3f} us/pair ({self.num_observed} steps)")
+                f"{c[3] * 1e6:.2f} us/context token + {c[4] * 1e6:.3f} us/pair{knee} ({self.num_observed} steps)")
 
 
 def _nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:

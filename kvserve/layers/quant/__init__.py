@@ -72,3 +72,12 @@ def weight_bytes(model: nn.Module) -> int:
                 seen.add(key)
                 total += t.numel() * t.element_size()
     return total
+
+
+def step_cost_knee(quant: QuantizationConfig, device_type: str) -> int:
+    """Step tokens up to which a step of this model costs more per token (the quantized kernels' register
+    path, kernels.small_rows()), for the scheduler's step-cost model; 0: the model has no such knee."""
+    if quant.method is None or device_type != "cpu":
+        return 0
+    from kvserve.layers.quant import kernels
+    return kernels.small_rows()

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "quant_linear.cpp")
 
-DENSE_ROWS = 128
+DENSE_ROWS = 112
 """Input rows from which a quantized layer dequantizes and calls the dense matmul (bench.py measures both
 sides: the panels win at batch sizes, oneDNN's blocked GEMM on the whole weight at prefill sizes)."""
 
@@ -68,6 +68,14 @@ def fixed_point_rows() -> int:
     """Input rows up to which the C++ kernels round x to 16-bit fixed point when asked (0: they cannot)."""
     m = _module()
     return 0 if m is None else m.fixed_rows()
+
+
+def small_rows() -> int:
+    """Input rows up to which the C++ kernels dequantize in registers (reading the weight once per 8 rows: a
+    row costs more there than in the panels beyond; 0: no such kernel here). The scheduler's step-cost model
+    takes it as a knee (scheduler/step_cost.py)."""
+    m = _module()
+    return 0 if m is None else m.small_rows()
 
 
 def int8_dequantize(q: torch.Tensor, scales: torch.Tensor, group: int,

@@ -264,8 +264,9 @@ constexpr int64_t kSmallRows = 24;  // linear_small's passes of 8 rows beat the 
 
 template <typename RowFn>
 void linear_panels(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t k, RowFn row) {
-  // Input rows in blocks of at most kPanelCols (the micro-kernel's N), as even as possible.
-  const int64_t blocks = (m + kPanelCols - 1) / kPanelCols, cols = (m + blocks - 1) / blocks;
+  // Input rows in blocks of at most kPanelCols (the micro-kernel's N, in vectors of 16), whole vectors but the
+  // last block's: 80 rows as 48 + 32 (5 vectors) rather than 40 + 40 (6, each a partial one).
+  const int64_t blocks = (m + kPanelCols - 1) / kPanelCols, cols = ((m + blocks - 1) / blocks + 15) / 16 * 16;
   std::vector<float> xt(k * m);  // x^T [K, M]: the micro-kernel's B operand
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < k; ++j) xt[j * m + i] = xp[i * k + j];
@@ -304,6 +305,12 @@ torch::Tensor dequantize(int64_t n_out, int64_t k, const c10::optional<torch::Te
   for (int64_t n = 0; n < n_out; ++n) row(n, wp + n * k);
   return w;
 }
+
+#ifdef __AVX512F__
+constexpr int64_t kSmallRowsOrZero = kSmallRows;
+#else
+constexpr int64_t kSmallRowsOrZero = 0;
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int64_t kFixedRowsOrZero = kFixedRows;
@@ -395,6 +402,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "weight-only int4 linear (float32 activations)", py::arg("x"), py::arg("q"),
         py::arg("scale"), py::arg("mins"), py::arg("group"), py::arg("fixed") = true);
   m.def("fixed_rows", []() { return kFixedRowsOrZero; }, "input rows up to which x is rounded to 16-bit fixed point");
+  m.def("small_rows", []() { return kSmallRowsOrZero; }, "input rows up to which the register kernel runs");
   m.def("int8_dequantize", &int8_dequantize, "int8 codes and group scales -> float32 weight", py::arg("q"),
         py::arg("scale"), py::arg("group"), py::arg("out") = py::none());
   m.def("int4_dequantize", &int4_dequantize, "int4 codes, group scales and mins -> float32 weight", py::arg("q"),
