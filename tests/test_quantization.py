@@ -323,6 +323,18 @@ def test_quantized_engine_equals_the_dequantized_checkpoint(tiny_llama, tmp_path
     assert quantized == _greedy(ref_path, prompts)
 
 
+def test_quantized_engine_fits_its_step_cost_with_the_kernels_knee(tmp_path):
+    """Under --quantization the scheduler's step-cost model gets the kernels' knee (scheduler/step_cost.py:
+    a row costs more up to kernels.small_rows()); an unquantized model's has none."""
+    path = str(tmp_path / "tiny")
+    make_tiny_checkpoint(path, "llama", seed=9)
+    for quantization, knee in ((None, 0), ("int8", kernels.small_rows())):
+        engine = Engine(EngineArgs(model=path, quantization=quantization, num_gpu_blocks_override=8))
+        cost = engine.core.scheduler.step_cost
+        assert cost.knee_rows == knee and len(cost.coefficients) == (6 if knee else 5)
+        del engine
+
+
 def test_int8_head_of_a_tied_model_keeps_the_embedding_full_precision(tmp_path):
     path = str(tmp_path / "tied")
     hf_model = make_tiny_checkpoint(path, "llama", tie=True, seed=8)
