@@ -52,7 +52,7 @@ def torchrun_local_rank() -> int:
 
 
 def quant_fixed_point() -> bool:
-    """KVSERVE_QUANT_FIXED_POINT=1: the int8/int4 kernels round one or two input rows to 16-bit fixed point
-    and multiply-add as integers (layers/quant/kernels.py). Off by default: faster single-stream decode, but
-    with ngram speculation on it cost `mixed` through the server ~13% (README, Quantization)."""
-    return _get("KVSERVE_QUANT_FIXED_POINT") == "1"
+    """The int8/int4 kernels round one or two input rows to 16-bit fixed point and multiply-add as integers
+    (layers/quant/kernels.py): on unless KVSERVE_QUANT_FIXED_POINT=0 (then exactly a float32 matmul on the
+    dequantized weight, up to summation order)."""
+    return _get("KVSERVE_QUANT_FIXED_POINT") != "0"

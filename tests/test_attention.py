@@ -115,3 +115,39 @@ def test_paged_decode_kernel_with_several_queries_per_sequence(block_size, num_h
     own = torch.tensor([n - (k - 1 - j) for n, k in zip(seq_lens, queries) for j in range(k)])
     alone = kernel.paged_decode_attention(q, cache, table[rows].contiguous(), own, 0.125)
     torch.testing.assert_close(grouped, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 130, 1000])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("num_queries", [1, 2])
+def test_single_sequence_decode_split_over_threads(seq_len, threads, num_queries):
+    """Fewer decode sequences than threads: the kernel cuts a sequence's blocks into ranges, one per thread
+    (4+ blocks each), and merges their partial softmaxes by log-sum-exp. Any cut must equal the dense
+    reference, with one or two query rows (a verified draft), beside a second, short sequence or alone."""
+    kernel = _kernel_or_skip()
+    g = torch.Generator().manual_seed(seq_len + threads)
+    bs, hkv, hq, d, num_blocks = 16, 3, 9, 64, 80
+    cache = torch.randn((num_blocks, bs, 2, hkv, d), generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    lens = [seq_len] if threads != 3 else [seq_len, 5]   # with 3 threads, two sequences: the long one splits in 2
+    tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    queries = [min(num_queries, n) for n in lens]
+    q = torch.randn(sum(queries), hq, d, generator=g)
+    starts = torch.tensor([0] + torch.tensor(queries).cumsum(0).tolist())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel.paged_attention(q, cache, table, torch.tensor(lens), d ** -0.5, starts)
+    finally:
+        torch.set_num_threads(before)
+    flat = cache.view(-1, 2, hkv, d)
+    expected, row = [], 0
+    for t, n, k in zip(tables, lens, queries):
+        slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(n)])
+        for j in range(k):
+            visible = slots[: n - (k - 1 - j)]
+            expected.append(_dense_decode(q[row:row + 1], [flat[visible, 0]], [flat[visible, 1]], d ** -0.5)[0])
+            row += 1
+    torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)

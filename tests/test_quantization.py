@@ -159,7 +159,7 @@ def _methods():
 def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, fixed_point, kernel_path, monkeypatch):
     if fixed_point and rows > 2:
         pytest.skip("fixed point only changes one or two rows")
-    monkeypatch.setenv("KVSERVE_QUANT_FIXED_POINT", "1" if fixed_point else "")
+    monkeypatch.setenv("KVSERVE_QUANT_FIXED_POINT", "1" if fixed_point else "0")
     _, method, ggml_type = next(m for m in _methods() if m[0] == name)
     torch.manual_seed(3)
     n, k = 160, 384
@@ -175,7 +175,7 @@ def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, fixed
         assert (deq - w).abs().max() <= w.abs().max() / (15 if name.startswith("int4") else 254) * 1.001
     x = torch.randn(rows, k)
     y = layer(x)
-    # with KVSERVE_QUANT_FIXED_POINT=1, at one or two rows the C++ kernel multiplies a 16-bit fixed-point copy
+    # with fixed point on (the default), at one or two rows the C++ kernel multiplies a 16-bit fixed-point copy
     # of x (kernels.py)
     x_used = _fixed_point(x) if fixed_point and rows <= kernels.fixed_point_rows() else x
     torch.testing.assert_close(y, F.linear(x_used, deq, bias), rtol=1e-5, atol=1e-5)
@@ -431,3 +431,10 @@ def test_bad_quantization_flags_are_value_errors(tiny_llama):
         EngineArgs(model=path, quantization="gguf").create_engine_config()
     with pytest.raises(ValueError, match="int4 group size must be one of"):
         Int4WeightOnlyMethod(16)
+
+
+def test_fixed_point_rows_are_the_default_and_zero_turns_them_off(monkeypatch):
+    monkeypatch.delenv("KVSERVE_QUANT_FIXED_POINT", raising=False)
+    assert Int8WeightOnlyMethod(32).fixed_point
+    monkeypatch.setenv("KVSERVE_QUANT_FIXED_POINT", "0")
+    assert not Int8WeightOnlyMethod(32).fixed_point

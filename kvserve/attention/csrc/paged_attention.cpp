@@ -30,6 +30,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <omp.h>
+
 namespace {
 
 constexpr float kNegBig = -1e30f;     // "no score yet": finite, since -ffast-math assumes no infinities
@@ -80,18 +82,19 @@ inline float to_float(Fp8E4M3 x) {
 
 // One unit of work. Its query tokens are `tokens` (rows of q), each seeing keys [0, limit) of the sequence;
 // it reads keys [first_block * BS, end_key) for KV heads [h0, h1).
+struct State {
+  float* out;     // [T, Hq, D]: the final output, or the unnormalised accumulator between items
+  float* m;       // [T, Hq] running max
+  float* l;       // [T, Hq] running sum
+};
+
 struct Item {
   const int64_t* table;
   int64_t first_block, end_key, h0, h1;
   std::vector<int64_t> tokens, limits;
   bool seeded;    // start from the state in out/m/l (a shared prefix's result) rather than from nothing
   bool finish;    // normalise into out; otherwise store the raw state for a later item to continue
-};
-
-struct State {
-  float* out;     // [T, Hq, D]: the final output, or the unnormalised accumulator between items
-  float* m;       // [T, Hq] running max
-  float* l;       // [T, Hq] running sum
+  const State* dest = nullptr;  // where the raw state goes instead of the call's State (a split's part)
 };
 
 template <int kD, typename T>
@@ -330,16 +333,17 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
       }
     }
   }
+  const State& to = it.dest != nullptr ? *it.dest : st;
   for (int64_t i = 0; i < ntok; ++i) {
     for (int64_t c = 0; c < Hh; ++c) {
       const int64_t r = i * Hh + c, head = it.tokens[i] * Hq + it.h0 * G + c;
-      float* dst = st.out + head * D;
+      float* dst = to.out + head * D;
       if (it.finish) {
         const float inv = 1.0f / rl[r];
         for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
       } else {
         std::memcpy(dst, acc + r * D, sizeof(float) * D);
-        st.m[head] = rm[r], st.l[head] = rl[r];
+        to.m[head] = rm[r], to.l[head] = rl[r];
       }
     }
   }
@@ -405,6 +409,85 @@ void add_items(std::vector<Item>& items, const int64_t* table, int64_t first_blo
       items.push_back(Item{table, first_block, end_key, h, all_heads ? g.num_kv_heads : h + 1,
                            std::vector<int64_t>(tokens.begin() + a, tokens.begin() + b),
                            std::vector<int64_t>(limits.begin() + a, limits.begin() + b), seeded, finish});
+    }
+  }
+}
+
+// Fewer decode sequences than threads (single-stream decode): one item per sequence would leave threads idle,
+// so each unseeded decode item is cut into `parts` ranges of its blocks (flash-decoding's split-K), each
+// writing its raw state (output, max, sum) to a part's own State, merged afterwards by log-sum-exp.
+struct Splits {
+  std::vector<Item> parts;          // the pieces, run with the other items
+  std::vector<State> states;        // one per piece (reserved up front: the pieces point into it)
+  std::vector<float> buffer;        // their out/m/l arrays, each [T, Hq, D] / [T, Hq] as the call's State
+  std::vector<Item> whole;          // the items that were split
+  std::vector<int64_t> first, count;  // of each whole item: its first piece and its number of pieces
+};
+
+void split_decodes(std::vector<Item>& own, Splits& sp, int64_t threads, int64_t T, const Geometry& g) {
+  constexpr int64_t kMinBlocksPerPart = 4;
+  const auto last_key = [](const Item& it) {
+    return std::min(it.end_key, *std::max_element(it.limits.begin(), it.limits.end()));
+  };
+  std::vector<Item> kept;
+  for (Item& it : own) {
+    const int64_t ntok = static_cast<int64_t>(it.tokens.size());
+    const bool decode = ntok * g.group < kTransposeRows && !it.seeded && it.finish;
+    const int64_t blocks = (last_key(it) + g.block_size - 1) / g.block_size - it.first_block;
+    const int64_t parts = std::min(threads, blocks / kMinBlocksPerPart);
+    if (decode && parts > 1) {
+      sp.count.push_back(parts);
+      sp.whole.push_back(std::move(it));
+    } else {
+      kept.push_back(std::move(it));
+    }
+  }
+  own = std::move(kept);
+  int64_t pieces = 0;
+  for (int64_t c : sp.count) pieces += c;
+  const int64_t rows = T * g.group * g.num_kv_heads, per = rows * (g.head_dim + 2);
+  sp.buffer.resize(static_cast<size_t>(pieces * per));
+  sp.states.reserve(pieces);
+  for (size_t w = 0; w < sp.whole.size(); ++w) {
+    const Item& it = sp.whole[w];
+    const int64_t end_key = last_key(it), first = it.first_block;
+    const int64_t blocks = (end_key + g.block_size - 1) / g.block_size - first, parts = sp.count[w];
+    sp.first.push_back(static_cast<int64_t>(sp.states.size()));
+    for (int64_t p = 0; p < parts; ++p) {
+      float* base = sp.buffer.data() + static_cast<int64_t>(sp.states.size()) * per;
+      sp.states.push_back(State{base, base + rows * g.head_dim, base + rows * g.head_dim + rows});
+      Item part = it;
+      part.first_block = first + blocks * p / parts;
+      part.end_key = std::min(end_key, (first + blocks * (p + 1) / parts) * g.block_size);
+      part.finish = false;
+      part.dest = &sp.states.back();
+      sp.parts.push_back(std::move(part));
+    }
+  }
+}
+
+// out[row] = sum_p o_p exp(m_p - m) / sum_p l_p exp(m_p - m), m = max_p m_p, over each split item's rows.
+void merge_splits(const Splits& sp, const Geometry& g, float* out) {
+  const int64_t D = g.head_dim, G = g.group, Hq = g.num_kv_heads * G;
+  for (size_t w = 0; w < sp.whole.size(); ++w) {
+    const Item& it = sp.whole[w];
+    const State* parts = sp.states.data() + sp.first[w];
+    for (int64_t tok : it.tokens) {
+      for (int64_t head = tok * Hq + it.h0 * G; head < tok * Hq + it.h1 * G; ++head) {
+        float m = kNegBig;
+        for (int64_t p = 0; p < sp.count[w]; ++p) m = std::max(m, parts[p].m[head]);
+        float l = 0.0f;
+        float* dst = out + head * D;
+        std::fill(dst, dst + D, 0.0f);
+        for (int64_t p = 0; p < sp.count[w]; ++p) {
+          const float f = std::exp(parts[p].m[head] - m);
+          l += parts[p].l[head] * f;
+          const float* o = parts[p].out + head * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] += o[d] * f;
+        }
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
+      }
     }
   }
 }
@@ -502,6 +585,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor b
     add_items(own, bt + b * g.max_blocks, skip[b], sl[b], tokens, limits, skip[b] > 0, true, g);
   }
 
+  Splits splits;
+  split_decodes(own, splits, omp_get_max_threads() - static_cast<int64_t>(own.size()) + 1, T, g);
+  own.insert(own.end(), std::make_move_iterator(splits.parts.begin()), std::make_move_iterator(splits.parts.end()));
+
   auto out = torch::empty_like(q);
   torch::Tensor ml;
   State st{out.data_ptr<float>(), nullptr, nullptr};
@@ -512,6 +599,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor b
   const float fscale = static_cast<float>(scale);
   if (!shared.empty()) dispatch_dtype(shared, q.data_ptr<float>(), kv, sp, g, fscale, st);
   dispatch_dtype(own, q.data_ptr<float>(), kv, sp, g, fscale, st);
+  merge_splits(splits, g, out.data_ptr<float>());
   return out;
 }
 

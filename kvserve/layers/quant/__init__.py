@@ -5,9 +5,8 @@ scale per 32 inputs (GGUF's Q8_0, the type llama.cpp stores the output matrix in
 `--no-quantize-lm-head`: it is read in full every decode step, and in float32 SmolLM2's tied 49152 x 576
 head is as many bytes as all its int8 decoder layers (README, Quantization, has its quality cost). The token
 embedding stays in full precision: it is a lookup (one row per token: its bytes are never read in bulk), so
-a tied head holds its own int8 copy beside it. Activations stay float32 (with
-KVSERVE_QUANT_FIXED_POINT=1, inside the C++ kernel at one or two rows, a 16-bit fixed-point copy per 32
-columns: kernels.py).
+a tied head holds its own int8 copy beside it. Activations stay float32 (inside the C++ kernel at one or two
+rows, a 16-bit fixed-point copy per 32 columns unless KVSERVE_QUANT_FIXED_POINT=0: kernels.py).
 """
 from __future__ import annotations
 

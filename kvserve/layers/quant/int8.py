@@ -5,9 +5,8 @@ activations stay float32.
     w[n, k] ~= q[n, k] * scale[n, g],   q in [-127, 127],   scale[n, g] = max_{k in g} |w[n, k]| / 127
 
 The matmul is kernels.int8_linear (our AVX-512 kernel at decode sizes, a dequantized dense matmul at
-prefill sizes; with KVSERVE_QUANT_FIXED_POINT=1 it rounds one or two rows of x to 16-bit fixed point,
-see kernels.py); a
-per-channel weight runs it with one group spanning the row. PyTorch's
+prefill sizes; at one or two rows of x it rounds them to 16-bit fixed point unless
+KVSERVE_QUANT_FIXED_POINT=0, see kernels.py); a per-channel weight runs it with one group spanning the row. PyTorch's
 `_weight_int8pack_mm` is fast only with bfloat16 activations, which would round every layer's input; with
 float32 ones it runs scalar code (`python -m kvserve.layers.quant.bench`).
 """

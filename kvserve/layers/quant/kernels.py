@@ -1,7 +1,7 @@
 """The weight-only matmuls for float32 activations: the C++ kernels (csrc/quant_linear.cpp) when they build,
 else PyTorch (dequantize the whole weight, then F.linear: correct, slower). Both compute a matmul on the
 dequantized weight, so the two differ only by summation order, except with `fixed_point` (the methods pass
-envs.quant_fixed_point(), off by default) at one or two input rows (`fixed_point_rows()`, single-stream
+envs.quant_fixed_point(), on unless KVSERVE_QUANT_FIXED_POINT=0) at one or two input rows (`fixed_point_rows()`, single-stream
 decode): there the C++ kernel rounds each run of 32 input columns to 16-bit fixed point with its own scale
 (error <= 2^-16 of the run's largest |x|, 128x finer than bfloat16), which lets it multiply-add weights as
 integers: 1.6x the float kernel's rate per core for int8.
@@ -142,12 +142,23 @@ def _kernel_takes(m, x2: torch.Tensor) -> bool:
     return m is not None and x2.shape[0] < limit and x2.device.type == "cpu"
 
 
+def _decode_rows(m, x: torch.Tensor) -> bool:
+    """The common case, taken before anything else: contiguous float32 [M, K] rows on the CPU below DENSE_ROWS,
+    which go to the C++ kernel as they are. A decode step calls a quantized linear four times per layer, and the
+    general path's reshapes and checks cost ~6 us a call, as much as the small layers' kernel time."""
+    return m is not None and x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu and x.shape[0] < DENSE_ROWS \
+        and x.is_contiguous()
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int,
                 bias: torch.Tensor | None, scratch: DenseScratch | None = None,
                 fixed_point: bool = False) -> torch.Tensor:
     """x [..., K] float32 or bfloat16 -> [..., N] (x's dtype) with w = int8_dequantize(q, scales, group)."""
-    x2 = _rows(x)
     m = _module()
+    if _decode_rows(m, x) and group % 32 == 0:
+        y = m.int8_linear(x, q, scales, group, fixed=fixed_point)
+        return y if bias is None else y + bias
+    x2 = _rows(x)
     if not _kernel_takes(m, x2) or group % 32:  # the kernel reads whole runs of 32 weights
         y = _dense_chunked(x2, q.shape[0], lambda a, b, out: int8_dequantize(q[a:b], scales[a:b], group, out),
                            bias, scratch)
@@ -161,8 +172,11 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: to
                 bias: torch.Tensor | None, scratch: DenseScratch | None = None,
                 fixed_point: bool = False) -> torch.Tensor:
     """x [..., K] float32 or bfloat16 -> [..., N] (x's dtype) with w = int4_dequantize(q, scales, mins, group)."""
-    x2 = _rows(x)
     m = _module()
+    if _decode_rows(m, x):
+        y = m.int4_linear(x, q, scales, mins, group, fixed=fixed_point)
+        return y if bias is None else y + bias
+    x2 = _rows(x)
     if not _kernel_takes(m, x2):
         y = _dense_chunked(x2, q.shape[0],
                            lambda a, b, out: int4_dequantize(q[a:b], scales[a:b], mins[a:b], group, out),
