@@ -280,9 +280,14 @@ void linear_panels(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t
   // Input rows in blocks of at most kPanelCols (the micro-kernel's N, in vectors of 16), whole vectors but the
   // last block's: 80 rows as 48 + 32 (5 vectors) rather than 40 + 40 (6, each a partial one).
   const int64_t blocks = (m + kPanelCols - 1) / kPanelCols, cols = ((m + blocks - 1) / blocks + 15) / 16 * 16;
-  std::vector<float> xt(k * m);  // x^T [K, M]: the micro-kernel's B operand
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < k; ++j) xt[j * m + i] = xp[i * k + j];
+  // x^T by blocks of input rows, each [K, cols] on its own (the micro-kernel's B operand): one [K, M] matrix
+  // would put B's rows M floats apart, and at M = 128, 256, ... those strides alias in the caches (the
+  // panels took twice as long at 128 rows as at 112).
+  std::vector<float> xt(k * cols * blocks, 0.0f);
+  for (int64_t i = 0; i < m; ++i) {
+    float* dst = xt.data() + (i / cols) * k * cols + i % cols;
+    for (int64_t j = 0; j < k; ++j) dst[j * cols] = xp[i * k + j];
+  }
   const int64_t panels = (n_out + kPanelRows - 1) / kPanelRows;
 #pragma omp parallel
   {
@@ -293,7 +298,8 @@ void linear_panels(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t
       for (int64_t r = 0; r < rows; ++r) row(n0 + r, w.data() + r * k);
       for (int64_t i0 = 0; i0 < m; i0 += cols) {
         const int64_t c = std::min(cols, m - i0);
-        at::native::cpublas::brgemm(rows, c, k, k, m, c, false, w.data(), xt.data() + i0, yt.data(), false);
+        at::native::cpublas::brgemm(rows, c, k, k, cols, c, false, w.data(), xt.data() + (i0 / cols) * k * cols,
+                                    yt.data(), false);
         for (int64_t i = 0; i < c; ++i)
           for (int64_t r = 0; r < rows; ++r) yp[(i0 + i) * n_out + n0 + r] = yt[r * c + i];
       }
