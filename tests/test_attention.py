@@ -10,6 +10,7 @@ from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.kv_cache.quant import dequantize, quantize
 
 
 def _dense_decode(q, ks, vs, scale):
@@ -120,14 +121,20 @@ def test_paged_decode_kernel_with_several_queries_per_sequence(block_size, num_h
 @pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 130, 1000])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("num_queries", [1, 2])
-def test_single_sequence_decode_split_over_threads(seq_len, threads, num_queries):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_single_sequence_decode_split_over_threads(seq_len, threads, num_queries, cache_dtype):
     """Fewer decode sequences than threads: the kernel cuts a sequence's blocks into ranges, one per thread
     (4+ blocks each), and merges their partial softmaxes by log-sum-exp. Any cut must equal the dense
-    reference, with one or two query rows (a verified draft), beside a second, short sequence or alone."""
+    reference (on the dequantized cache for int8), with one or two query rows (a verified draft), beside a
+    second, short sequence or alone."""
     kernel = _kernel_or_skip()
     g = torch.Generator().manual_seed(seq_len + threads)
     bs, hkv, hq, d, num_blocks = 16, 3, 9, 64, 80
     cache = torch.randn((num_blocks, bs, 2, hkv, d), generator=g)
+    scales = None
+    if cache_dtype != torch.float32:
+        values, scales = quantize(cache, cache_dtype)
+        cache, values = dequantize(values, scales), values
     perm = torch.randperm(num_blocks, generator=g).tolist()
     lens = [seq_len] if threads != 3 else [seq_len, 5]   # with 3 threads, two sequences: the long one splits in 2
     tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]
@@ -139,7 +146,8 @@ def test_single_sequence_decode_split_over_threads(seq_len, threads, num_queries
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kernel.paged_attention(q, cache, table, torch.tensor(lens), d ** -0.5, starts)
+        out = kernel.paged_attention(q, cache if scales is None else values, table, torch.tensor(lens), d ** -0.5,
+                                     starts, scales)
     finally:
         torch.set_num_threads(before)
     flat = cache.view(-1, 2, hkv, d)
