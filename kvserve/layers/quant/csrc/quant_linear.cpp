@@ -166,9 +166,12 @@ struct FixedRows {
   int64_t m, k;
 };
 
-FixedRows to_fixed(const float* x, int64_t m, int64_t k, int64_t sum_group) {
-  FixedRows f{std::vector<int16_t>(m * k), std::vector<float>(m * (k / 32)),
-              std::vector<float>(sum_group ? m * (k / sum_group) : 0), m, k};
+// Into a per-thread copy reused across calls (a decode step makes ~120 of them; their buffers' malloc and free
+// were a measurable part of the smallest layers' time).
+const FixedRows& to_fixed(const float* x, int64_t m, int64_t k, int64_t sum_group) {
+  thread_local FixedRows f;
+  f.q.resize(m * k), f.scale.resize(m * (k / 32)), f.sums.resize(sum_group ? m * (k / sum_group) : 0);
+  f.m = m, f.k = k;
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t b = 0; b < k / 32; ++b) {
       const float* xb = x + i * k + b * 32;
@@ -216,35 +219,54 @@ template <int MR, typename CodesFn>
 void fixed_rows(const FixedRows& xf, float* yp, int64_t n_out, const CodesFn& codes, const float* scale,
                 const float* mins, int64_t group) {
   const int64_t k = xf.k, nb = k / 32, ng = k / group;
-  std::vector<int64_t> gidx(nb);  // the weight group of each run of 32 columns
+  thread_local std::vector<int64_t> gidx;  // the weight group of each run of 32 columns
+  gidx.resize(nb);
   for (int64_t b = 0; b < nb; ++b) gidx[b] = b * 32 / group;
+  const int64_t* gi = gidx.data();
 #pragma omp parallel
   {
-    std::vector<float> cs(MR * nb);  // this row's combined scales scale[n, g(b)] * xs[i, b]
+    thread_local std::vector<float> buffer;
+    buffer.resize(MR * nb);
+    float* const cs = buffer.data();  // this row's combined scales scale[n, g(b)] * xs[i, b]
+    const float* const xscale = xf.scale.data();
+    const int16_t* const xq = xf.q.data();
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < n_out; ++n) {
       const float* sn = scale + n * ng;
       for (int i = 0; i < MR; ++i) {
-        float* c = cs.data() + i * nb;
-        const float* xs = xf.scale.data() + i * nb;
+        float* c = cs + i * nb;
+        const float* xs = xscale + i * nb;
         if (group == 32) {
           for (int64_t b = 0; b < nb; ++b) c[b] = sn[b] * xs[b];
         } else {
-          for (int64_t b = 0; b < nb; ++b) c[b] = sn[gidx[b]] * xs[b];
+          for (int64_t b = 0; b < nb; ++b) c[b] = sn[gi[b]] * xs[b];
         }
       }
-      __m512 acc[MR];
-      for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
+      // NOTE: two accumulators per row (even and odd runs): with one, each run's FMA waits for the previous
+      // one's result, and at one or two rows that latency chain, not memory, set the pace.
+      __m512 acc[MR], odd[MR];
+      for (int i = 0; i < MR; ++i) acc[i] = odd[i] = _mm512_setzero_ps();
+      int64_t b = 0;
+      for (; b + 2 <= nb; b += 2) {
+        const __m512i w0 = codes(n, b), w1 = codes(n, b + 1);
+        for (int i = 0; i < MR; ++i) {
+          const int16_t* xb = xq + i * k + b * 32;
+          const __m512 d0 = _mm512_cvtepi32_ps(_mm512_madd_epi16(w0, _mm512_loadu_si512((const void*)xb)));
+          const __m512 d1 = _mm512_cvtepi32_ps(_mm512_madd_epi16(w1, _mm512_loadu_si512((const void*)(xb + 32))));
+          acc[i] = _mm512_fmadd_ps(d0, _mm512_set1_ps(cs[i * nb + b]), acc[i]);
+          odd[i] = _mm512_fmadd_ps(d1, _mm512_set1_ps(cs[i * nb + b + 1]), odd[i]);
+        }
+      }
+      for (; b < nb; ++b) {
         const __m512i w = codes(n, b);
         for (int i = 0; i < MR; ++i) {
-          const __m512i xv = _mm512_loadu_si512((const void*)(xf.q.data() + i * k + b * 32));
+          const __m512i xv = _mm512_loadu_si512((const void*)(xq + i * k + b * 32));
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, xv));
           acc[i] = _mm512_fmadd_ps(dot, _mm512_set1_ps(cs[i * nb + b]), acc[i]);
         }
       }
       for (int i = 0; i < MR; ++i) {
-        float y = _mm512_reduce_add_ps(acc[i]);
+        float y = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], odd[i]));
         if (mins != nullptr)
           for (int64_t g = 0; g < ng; ++g) y += mins[n * ng + g] * xf.sums[i * ng + g];
         yp[i * n_out + n] = y;
@@ -256,7 +278,7 @@ void fixed_rows(const FixedRows& xf, float* yp, int64_t n_out, const CodesFn& co
 template <typename CodesFn>
 void linear_fixed(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t k, const CodesFn& codes,
                   const float* scale, const float* mins, int64_t group) {
-  const FixedRows xf = to_fixed(xp, m, k, mins != nullptr ? group : 0);
+  const FixedRows& xf = to_fixed(xp, m, k, mins != nullptr ? group : 0);
   switch (m) {
     case 1: fixed_rows<1>(xf, yp, n_out, codes, scale, mins, group); break;
     case 2: fixed_rows<2>(xf, yp, n_out, codes, scale, mins, group); break;
