@@ -7,6 +7,7 @@ projections at `--rows` input rows (int8, group 32, weights from memory: 106 MB)
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -26,8 +27,6 @@ def main() -> None:
     parser.add_argument("--no-fixed-point", action="store_true", help="the float32 kernel instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    import os
-
     here = os.path.join(os.path.dirname(__file__), "..", "kvserve", "layers", "quant", "csrc", "quant_linear.cpp")
     builds = {"baseline": build_extension("kvserve_quant_linear_baseline", args.baseline, "baseline kernel"),
               "this tree": build_extension("kvserve_quant_linear_ab", os.path.abspath(here), "this tree's kernel")}
