@@ -29,7 +29,8 @@ from kvserve.attention.torch_ref import TorchRefBackend, _decode
 from kvserve.kv_cache.quant import quantize
 
 HQ, HKV, D, BS = 9, 3, 64, 16
-DECODES = ((64, 400), (32, 1100), (16, 300))
+# B=1: single-stream decode, whose blocks the kernel splits over the threads
+DECODES = ((64, 400), (32, 1100), (16, 300), (1, 200), (1, 1100))
 
 
 def _time(fn, reps: int = 20, rounds: int = 5) -> float:
@@ -70,11 +71,11 @@ def decode(batch: int, ctx: int, stream: float, baseline=None) -> str:
     gb = batch * ctx * 2 * HKV * D * 4 / 1e6
     if baseline is not None:
         ms = _time(lambda: baseline.paged_decode_attention(q, kv, table, seq_lens, 0.125))
-        line += f"   baseline kernel {ms:6.2f} ms ({gb / ms:.1f} GB/s, {gb / ms / stream:.0%})"
+        line += f"   baseline kernel {ms:7.3f} ms ({gb / ms:.1f} GB/s, {gb / ms / stream:.0%})"
     kernel = load_paged_attention()
     if kernel is not None:
         ms = _time(lambda: kernel.paged_attention(q, kv, table, seq_lens, 0.125))
-        line += f"   C++ kernel {ms:6.2f} ms ({gb / ms:.1f} GB/s of K/V, {gb / ms / stream:.0%} of stream)"
+        line += f"   C++ kernel {ms:7.3f} ms ({gb / ms:.1f} GB/s of K/V, {gb / ms / stream:.0%} of stream)"
         for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
             values, scales = quantize(kv, dtype)
             ms = _time(lambda: kernel.paged_attention(q, values, table, seq_lens, 0.125, None, scales))
