@@ -153,16 +153,19 @@ def _methods():
 
 @pytest.mark.parametrize("name", [name for name, _, _ in _methods()])
 # 13: a full and a partial 8-row pass; 25: the panels (160 outputs: two full panels of 64 and a partial one);
-# 100: the panels with x in three blocks of input rows (48, 48, 4); 512: the dense path
-@pytest.mark.parametrize("rows", [1, 2, 13, 16, 25, 100, 512])
+# 100: the panels with x in three blocks of input rows (48, 48, 4); 512: the dense path. With 192 outputs (three
+# whole tiles of 64) the tiles take every size from kernels' tile_rows (48) on, 512 included.
+@pytest.mark.parametrize("rows", [1, 2, 13, 16, 25, 48, 100, 512])
+@pytest.mark.parametrize("n", [160, 192])
 @pytest.mark.parametrize("fixed_point", [False, True])
-def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, fixed_point, kernel_path, monkeypatch):
+def test_quantized_apply_equals_f_linear_on_dequantized_weight(name, rows, n, fixed_point, kernel_path,
+                                                               monkeypatch):
     if fixed_point and rows > 2:
         pytest.skip("fixed point only changes one or two rows")
     monkeypatch.setenv("KVSERVE_QUANT_FIXED_POINT", "1" if fixed_point else "0")
     _, method, ggml_type = next(m for m in _methods() if m[0] == name)
     torch.manual_seed(3)
-    n, k = 160, 384
+    k = 384
     w, bias = torch.randn(n, k) * 0.05, torch.randn(n)
     loaded = None if ggml_type is None else GGUFWeight(gguf.quants.quantize(w.numpy(), ggml_type), ggml_type, (n, k))
     layer = _linear(w, method, bias, loaded)
@@ -439,3 +442,16 @@ def test_fixed_point_rows_are_the_default_and_zero_turns_them_off(monkeypatch):
     assert Int8WeightOnlyMethod(32).fixed_point
     monkeypatch.setenv("KVSERVE_QUANT_FIXED_POINT", "0")
     assert not Int8WeightOnlyMethod(32).fixed_point
+
+
+def test_tiles_take_prefill_sized_float32_rows_where_they_fit():
+    """From tile_rows on, float32 rows of a layer with whole tiles of output rows stay in the C++ kernel (the
+    tiles), any number of them; a layer without whole tiles goes dense from DENSE_ROWS, as bfloat16 rows do from
+    BF16_DENSE_ROWS."""
+    m = kernels._module()
+    if m is None or m.tile_rows() == 0:
+        pytest.skip("no tiled kernel here (needs the C++ extension with AVX-512)")
+    assert kernels.tiles_fit(192, 384) and not kernels.tiles_fit(160, 384) and not kernels.tiles_fit(192, 376)
+    big = torch.randn(2 * kernels.DENSE_ROWS, 384)
+    assert kernels._kernel_takes(m, big, 192) and not kernels._kernel_takes(m, big, 160)
+    assert not kernels._kernel_takes(m, big.bfloat16(), 192)

@@ -134,12 +134,23 @@ def _dense_chunked(x2: torch.Tensor, n_out: int, dequantize, bias: torch.Tensor 
     return y
 
 
-def _kernel_takes(m, x2: torch.Tensor) -> bool:
-    """Whether the C++ kernel runs these rows: decode sizes on the CPU, float32 or bfloat16 (--dtype
-    bfloat16: the few rows go through it in float32; prefill-sized bfloat16 rows take the dense bfloat16
-    matmul)."""
-    limit = {torch.float32: DENSE_ROWS, torch.bfloat16: BF16_DENSE_ROWS}.get(x2.dtype, 0)
-    return m is not None and x2.shape[0] < limit and x2.device.type == "cpu"
+@functools.lru_cache(maxsize=None)
+def tiles_fit(n_out: int, k: int) -> bool:
+    """Whether the C++ kernel's tiles take a [n_out, k] weight at any number of float32 rows (AVX-512, whole
+    tiles of output rows, K in vectors): then it runs prefill sizes too, level with prepacked float32."""
+    m = _module()
+    return m is not None and m.tile_rows() > 0 and n_out % m.tile_block() == 0 and k % 16 == 0
+
+
+def _kernel_takes(m, x2: torch.Tensor, n_out: int) -> bool:
+    """Whether the C++ kernel runs these rows: on the CPU, float32 rows below DENSE_ROWS or any number where
+    the tiles fit, bfloat16 ones below BF16_DENSE_ROWS (--dtype bfloat16: the few rows go through it in
+    float32; prefill-sized bfloat16 rows take the dense bfloat16 matmul)."""
+    if m is None or x2.device.type != "cpu":
+        return False
+    if x2.dtype == torch.float32:
+        return x2.shape[0] < DENSE_ROWS or tiles_fit(n_out, x2.shape[1])
+    return x2.dtype == torch.bfloat16 and x2.shape[0] < BF16_DENSE_ROWS
 
 
 def _decode_rows(m, x: torch.Tensor) -> bool:
@@ -159,7 +170,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: i
         y = m.int8_linear(x, q, scales, group, fixed=fixed_point)
         return y if bias is None else y + bias
     x2 = _rows(x)
-    if not _kernel_takes(m, x2) or group % 32:  # the kernel reads whole runs of 32 weights
+    if not _kernel_takes(m, x2, q.shape[0]) or group % 32:  # the kernel reads whole runs of 32 weights
         y = _dense_chunked(x2, q.shape[0], lambda a, b, out: int8_dequantize(q[a:b], scales[a:b], group, out),
                            bias, scratch)
     else:
@@ -177,7 +188,7 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: to
         y = m.int4_linear(x, q, scales, mins, group, fixed=fixed_point)
         return y if bias is None else y + bias
     x2 = _rows(x)
-    if not _kernel_takes(m, x2):
+    if not _kernel_takes(m, x2, q.shape[0]):
         y = _dense_chunked(x2, q.shape[0],
                            lambda a, b, out: int4_dequantize(q[a:b], scales[a:b], mins[a:b], group, out),
                            bias, scratch)

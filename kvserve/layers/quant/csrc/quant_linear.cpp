@@ -347,10 +347,83 @@ torch::Tensor dequantize(int64_t n_out, int64_t k, const c10::optional<torch::Te
   return w;
 }
 
+// From kTileRows input rows: blocks of kTileBlock output rows, each dequantized and transposed into a [K][64]
+// tile in L2 (16 rows at a time, through an L1-sized buffer) and multiplied as the micro-kernel's B operand by
+// all of x (A, as stored) straight into y's columns. This is the layout oneDNN's float32 GEMM packs its weights
+// in, and it runs level with the prepacked float32 layer from 48 rows to prefill sizes (bench.py), where
+// dequantizing the whole layer for oneDNN wrote and re-read 4 bytes per weight and paid oneDNN's reorder of a
+// plain weight on every call (0.8-0.9x float32 at 128-384 rows). The panels' orientation (y^T = W x^T) needs
+// x^T and y transposed per call and streams x once per 64 output rows from a narrower B.
+constexpr int64_t kTileBlock = 64;
+constexpr int64_t kTileRows = 48;
+
+#ifdef __AVX512F__
+// r[i], row i of a 16 x 16 block -> r[i], column i.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+  }
+}
+
+template <typename RowFn>
+void linear_tiles(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t k, RowFn row) {
+  const int64_t blocks = n_out / kTileBlock;
+#pragma omp parallel
+  {
+    // NOTE: reused across calls: a fresh 150-400 KB buffer is an mmap whose pages fault in on every call
+    thread_local std::vector<float> tile, rows16;
+    tile.resize(kTileBlock * k);
+    rows16.resize(16 * k);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t j0 = 0; j0 < kTileBlock; j0 += 16) {
+        for (int64_t r = 0; r < 16; ++r) row(b * kTileBlock + j0 + r, rows16.data() + r * k);
+        for (int64_t k0 = 0; k0 < k; k0 += 16) {
+          __m512 v[16];
+          for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(rows16.data() + i * k + k0);
+          transpose16(v);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_ps(tile.data() + (k0 + i) * kTileBlock + j0, v[i]);
+        }
+      }
+      at::native::cpublas::brgemm(m, kTileBlock, k, k, kTileBlock, n_out, false, xp, tile.data(),
+                                  yp + b * kTileBlock, false);
+    }
+    at::native::cpublas::brgemm_release(false);
+  }
+}
+#endif
+
+inline bool tiles_fit(int64_t m, int64_t n_out, int64_t k) {
+#ifdef __AVX512F__
+  return m >= kTileRows && n_out % kTileBlock == 0 && k % 16 == 0;
+#else
+  return false;
+#endif
+}
+
 #ifdef __AVX512F__
 constexpr int64_t kSmallRowsOrZero = kSmallRows;
+constexpr int64_t kTileRowsOrZero = kTileRows;
 #else
 constexpr int64_t kSmallRowsOrZero = 0;
+constexpr int64_t kTileRowsOrZero = 0;
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -381,9 +454,14 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
     return y;
   }
 #endif
-  linear_panels(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, [&](int64_t n, float* w) {
-    dequant_row_int8(qp + n * k, sp + n * (k / group), group, k, w);
-  });
+  const auto row = [&](int64_t n, float* w) { dequant_row_int8(qp + n * k, sp + n * (k / group), group, k, w); };
+#ifdef __AVX512F__
+  if (tiles_fit(m, n_out, k)) {
+    linear_tiles(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, row);
+    return y;
+  }
+#endif
+  linear_panels(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, row);
   return y;
 }
 
@@ -410,9 +488,16 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
     return y;
   }
 #endif
-  linear_panels(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, [&](int64_t n, float* w) {
+  const auto row = [&](int64_t n, float* w) {
     dequant_row_int4(qp + n * (k / 2), sp + n * (k / group), mp + n * (k / group), group, k, w);
-  });
+  };
+#ifdef __AVX512F__
+  if (tiles_fit(m, n_out, k)) {
+    linear_tiles(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, row);
+    return y;
+  }
+#endif
+  linear_panels(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, row);
   return y;
 }
 
@@ -448,4 +533,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("group"), py::arg("out") = py::none());
   m.def("int4_dequantize", &int4_dequantize, "int4 codes, group scales and mins -> float32 weight", py::arg("q"),
         py::arg("scale"), py::arg("mins"), py::arg("group"), py::arg("out") = py::none());
+  m.def("tile_rows", []() { return kTileRowsOrZero; }, "input rows from which the tiled kernel runs (0: none)");
+  m.def("tile_block", []() { return kTileBlock; }, "output rows per tile (the tiled kernel needs them to divide N)");
 }
