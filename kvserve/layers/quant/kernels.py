@@ -6,11 +6,12 @@ decode): there the C++ kernel rounds each run of 32 input columns to 16-bit fixe
 (error <= 2^-16 of the run's largest |x|, 128x finer than bfloat16), which lets it multiply-add weights as
 integers: 1.6x the float kernel's rate per core for int8.
 
-Below `DENSE_ROWS` input rows the C++ kernel reads only the quantized bytes: for decode sizes it dequantizes
-in registers for up to 8 rows at a time, for batches into L2-sized panels multiplied by oneDNN's GEMM
-micro-kernel. From DENSE_ROWS on (and from BF16_DENSE_ROWS for bfloat16 activations) the weight is
-dequantized into a float32 matrix and handed to oneDNN (MKL's F.linear where oneDNN is absent): a prefill
-chunk is compute-bound there, and the extra pass over the weight costs little next to the matmul.
+The C++ kernel reads only the quantized bytes: for decode sizes it dequantizes in registers for up to 8 rows
+at a time, for batches into L2-sized tiles (or panels, for a layer whose output rows are not whole tiles of
+64) multiplied by oneDNN's GEMM micro-kernel. The tiles take any number of float32 rows; elsewhere, from
+`DENSE_ROWS` on (and from BF16_DENSE_ROWS for bfloat16 activations), the weight is dequantized into a float32
+matrix and handed to oneDNN (MKL's F.linear where oneDNN is absent), which costs a write and a re-read of the
+whole weight and oneDNN's reorder of it per call.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ import torch.nn.functional as F
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "quant_linear.cpp")
 
 DENSE_ROWS = 112
-"""Input rows from which a quantized layer dequantizes and calls the dense matmul (bench.py measures both
-sides: the panels win at batch sizes, oneDNN's blocked GEMM on the whole weight at prefill sizes)."""
+"""Input rows from which a quantized layer the tiles do not fit dequantizes and calls the dense matmul (bench.py
+measures both sides: the panels win at batch sizes, oneDNN's blocked GEMM on the whole weight at prefill
+sizes)."""
 
 BF16_DENSE_ROWS = 24
 """The same for bfloat16 activations: the kernels compute in float32, the dense bfloat16 matmul at twice the
