@@ -32,6 +32,10 @@
 
 #include <omp.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr float kNegBig = -1e30f;     // "no score yet": finite, since -ffast-math assumes no infinities
@@ -200,6 +204,89 @@ void matrix_rows(const Item& it, int64_t hh, int64_t blk, int64_t n, const float
   }
 }
 
+#ifdef __AVX512F__
+// Many query rows of one KV head (a prefill tile, a request verifying drafts) with the rows in the lanes of a
+// vector, 16 at a time, against 16 keys at a time: scores s[t] = sum_d K[t][d] * q^T[d] for the 16 keys are 16
+// independent FMA chains (each K element broadcast from memory, q^T one vector load per d), the online softmax
+// runs lane-wise on them (the block's max over keys is 15 vector maxes, its exp 16 vector exps), and the
+// output accumulates as o^T[d] = o^T[d] * corr + sum_t V[t][d] * p[t], 8 columns of d at a time. No transpose of
+// K per block (matrix_rows transposes the block's K and runs its scores as 4 latency-bound chains, which left
+// a 5-token verification run at ~4x a decode's cost per sequence).
+constexpr int64_t kLanes = 16;
+
+// e^x for float32 lanes, to ~1e-7 relative: 2^(x log2 e) as 2^n (scalef) times 2^f, |f| <= 1/2, by its Taylor
+// series to degree 7 (error below 3e-9). A large negative x (a masked score) gives 0.
+inline __m512 exp_lanes(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One chunk of up to 16 keys (positions key0.., rows of k and v `kstride` / `vstride` floats apart, nk of them
+// real) for one chunk of 16 lanes: qt, ot [D][16], the lanes' running max and sum, and their causal limits
+// (a lane sees keys below its limit; padding lanes have 0). `masked`: some key of the chunk is past a lane's
+// limit or past nk.
+template <int kD>
+inline void lanes_keys(const float* k, int64_t kstride, const float* v, int64_t vstride, int64_t nk, int64_t key0,
+                       bool masked, const float* qt, float* ot, float* m, float* l, const int32_t* limits) {
+  __m512 s[kLanes];
+  for (int t = 0; t < kLanes; ++t) s[t] = _mm512_setzero_ps();
+  const float* kr[kLanes];
+  for (int t = 0; t < kLanes; ++t) kr[t] = k + std::min<int64_t>(t, nk - 1) * kstride;
+  for (int d = 0; d < kD; ++d) {
+    const __m512 q = _mm512_loadu_ps(qt + d * kLanes);
+    for (int t = 0; t < kLanes; ++t) s[t] = _mm512_fmadd_ps(_mm512_set1_ps(kr[t][d]), q, s[t]);
+  }
+  if (masked) {
+    const __m512i lim = _mm512_loadu_si512(limits);
+    for (int t = 0; t < kLanes; ++t) {
+      const __mmask16 ok = t < nk ? _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(static_cast<int32_t>(key0 + t)))
+                                  : static_cast<__mmask16>(0);
+      s[t] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegBig), s[t]);
+    }
+  }
+  __m512 bmax = s[0];
+  for (int t = 1; t < kLanes; ++t) bmax = _mm512_max_ps(bmax, s[t]);
+  const __m512 mold = _mm512_loadu_ps(m);
+  const __m512 mnew = _mm512_max_ps(mold, bmax);
+  const __m512 corr = exp_lanes(_mm512_sub_ps(mold, mnew));
+  __m512 sum = _mm512_setzero_ps();
+  for (int t = 0; t < kLanes; ++t) {
+    s[t] = exp_lanes(_mm512_sub_ps(s[t], mnew));
+    sum = _mm512_add_ps(sum, s[t]);
+  }
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), corr, sum));
+  _mm512_storeu_ps(m, mnew);
+  for (int d0 = 0; d0 < kD; d0 += 8) {
+    __m512 o[8];
+    for (int j = 0; j < 8; ++j) o[j] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + j) * kLanes), corr);
+    for (int64_t t = 0; t < nk; ++t) {
+      const float* vr = v + t * vstride + d0;
+      for (int j = 0; j < 8; ++j) o[j] = _mm512_fmadd_ps(_mm512_set1_ps(vr[j]), s[t], o[j]);
+    }
+    for (int j = 0; j < 8; ++j) _mm512_storeu_ps(ot + (d0 + j) * kLanes, o[j]);
+  }
+}
+#endif
+
+// Whether an item's rows run in lanes (compile-time head_dim, a multiple of 8; blocks of whole 16-key chunks).
+template <int kD>
+constexpr bool kLanesBuilt =
+#ifdef __AVX512F__
+    kD > 0 && kD % 8 == 0;
+#else
+    false;
+#endif
+
 template <int kD, int kBS, typename T>
 void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales, const Geometry& g,
               float scale, const State& st, std::vector<float>& scratch) {
@@ -234,6 +321,33 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
   }
   const int64_t end_key = std::min(it.end_key, *std::max_element(it.limits.begin(), it.limits.end()));
   const int64_t end_block = (end_key + BS - 1) / BS;
+  // lanes: [chunks] of q^T and o^T [D][16], running max, sum and limits [16] (row r is lane r % 16 of chunk r / 16)
+  const bool lanes = kLanesBuilt<kD> && transposed && BS % 16 == 0;
+  const int64_t chunks = lanes ? (rows + kLanes - 1) / kLanes : 0;
+  thread_local std::vector<float> lane_buf;
+  thread_local std::vector<int32_t> lane_limits;
+  thread_local std::vector<int64_t> chunk_min_limit;
+  float *lq = nullptr, *lo = nullptr, *lm = nullptr, *ll = nullptr;
+  if (lanes) {
+    lane_buf.assign(static_cast<size_t>(chunks * kLanes * (2 * D + 2)), 0.0f);
+    lane_limits.assign(static_cast<size_t>(chunks * kLanes), 0);
+    chunk_min_limit.assign(static_cast<size_t>(chunks), INT64_MAX);
+    lq = lane_buf.data(), lo = lq + chunks * kLanes * D, lm = lo + chunks * kLanes * D, ll = lm + chunks * kLanes;
+    for (int64_t r = 0; r < chunks * kLanes; ++r) lm[r] = kNegBig;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t c = r / kLanes, x = r % kLanes;
+      for (int64_t d = 0; d < D; ++d) {
+        lq[(c * D + d) * kLanes + x] = qs[r * D + d];
+        lo[(c * D + d) * kLanes + x] = acc[r * D + d];
+      }
+      lm[r] = rm[r], ll[r] = rl[r];
+      const int64_t limit = it.limits[r / Hh];
+      lane_limits[r] = static_cast<int32_t>(limit);
+      chunk_min_limit[c] = std::min(chunk_min_limit[c], limit);
+    }
+    for (int64_t c = 0; c < chunks; ++c)
+      if ((c + 1) * kLanes > rows) chunk_min_limit[c] = 0;  // padding lanes see nothing: always masked
+  }
   for (int64_t blk = it.first_block; blk < end_block; ++blk) {
     const int64_t n = std::min(BS, end_key - blk * BS);
     const T* base = kv + it.table[blk] * g.block_stride;
@@ -275,6 +389,26 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
       }
       const float* krows = nullptr;  // [n, D] rows `kstride` apart, when not transposed
       int64_t kstride = D;
+#ifdef __AVX512F__
+      if (lanes) {
+        if constexpr (kQuantized) {
+          widen_rows<kD>(kraw, sbase ? sbase + h : nullptr, n, D, g.slot_stride, g.scale_slot_stride, kb);
+          krows = kb;
+        } else {
+          krows = kraw, kstride = g.slot_stride;
+        }
+        for (int64_t k0 = 0; k0 < n; k0 += kLanes) {
+          const int64_t nk = std::min(kLanes, n - k0), key0 = blk * BS + k0;
+          for (int64_t c = 0; c < chunks; ++c) {
+            const bool masked = nk < kLanes || key0 + kLanes > chunk_min_limit[c];
+            lanes_keys<kD>(krows + k0 * kstride, kstride, vrows + k0 * vstride, vstride, nk, key0, masked,
+                           lq + c * D * kLanes, lo + c * D * kLanes, lm + c * kLanes, ll + c * kLanes,
+                           lane_limits.data() + c * kLanes);
+          }
+        }
+        continue;
+      }
+#endif
       if (transposed) {
         transpose_rows<kD, kBS>(kraw, sbase ? sbase + h : nullptr, n, D, BS, g.slot_stride, g.scale_slot_stride,
                                 kb);
@@ -331,6 +465,13 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
           }
         }
       }
+    }
+  }
+  if (lanes) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t c = r / kLanes, x = r % kLanes;
+      for (int64_t d = 0; d < D; ++d) acc[r * D + d] = lo[(c * D + d) * kLanes + x];
+      rm[r] = lm[r], rl[r] = ll[r];
     }
   }
   const State& to = it.dest != nullptr ? *it.dest : st;
