@@ -23,7 +23,7 @@ the number of sequences barely changes (the intercept, tokens and sequences are 
   which the 2x-decode rule then turned into 400 ms steps.
 A model whose linears switch kernels at some step size gets a sixth feature, min(tokens, knee_rows): the
 quantized kernels (layers/quant/kernels.py) read the weight once per 8 rows up to kernels.small_rows() and
-run L2-sized panels beyond, so a row costs ~1.3 ms up to 24 and ~0.8 ms after (SmolLM2 int8 decode steps,
+run L2-sized panels or tiles beyond, so a row costs ~1.3 ms up to 24 and ~0.8 ms after (SmolLM2 int8 decode steps,
 scripts/decode_step_times.py). One line through both bends towards the per-pair coefficient instead, which
 then over-predicted long prompt chunks (int8's fit: 1.0 us/pair against fp32's 0.58), shrinking them.
 Five or six features: a few small solves per step, some microseconds.

@@ -8,8 +8,10 @@
 // scored together (GQA: each K/V row is read once for the group), the running max/sum are corrected once per
 // block, and the block's V rows are accumulated while it is still in L1; the next block is prefetched
 // meanwhile. Decodes score a K row against their few query rows with dot products; tiles with many rows (a
-// prefill) first transpose the block's K into [D, block_size] so that each query row scores the whole block
-// with broadcast FMAs, 4 rows at a time, which turns the scores into a small matrix product.
+// prefill, a draft verification, a shared prefix's group) put 16 query rows in the lanes of a vector and score
+// 16 keys at a time with broadcast FMAs (lanes_keys): a small matrix product with the softmax done lane-wise.
+// Without AVX-512 (or with a head_dim known only at run time) they first transpose the block's K into
+// [D, block_size] and score 4 rows at a time (matrix_rows).
 //
 // Shared prefixes (cascade attention): when several sequences start with the same physical blocks, the query
 // rows of all of them attend to those blocks in one pass (K/V read once for the group, and more rows per K/V
