@@ -147,7 +147,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
         tied = self.embed_tokens if getattr(cfg, "tie_word_embeddings", False) else None
-        # head_method: a quantized model keeps its LM head in full precision (layers/quant/__init__.py)
+        # head_method: the LM head's own (int8 per 32 inputs under a quantization unless --no-quantize-lm-head:
+        # layers/quant/__init__.py)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, head_method or method, tied, shard.rank,
                                       shard.size, shard.all_gather)
         self.ops: LayerOps = LayerOps()  # the worker swaps in FusedLayerOps where they build
