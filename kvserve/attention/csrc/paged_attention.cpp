@@ -206,6 +206,8 @@ void matrix_rows(const Item& it, int64_t hh, int64_t blk, int64_t n, const float
   }
 }
 
+constexpr int64_t kLanes = 16;  // query rows per vector in lanes_keys
+
 #ifdef __AVX512F__
 // Many query rows of one KV head (a prefill tile, a request verifying drafts) with the rows in the lanes of a
 // vector, 16 at a time, against 16 keys at a time: scores s[t] = sum_d K[t][d] * q^T[d] for the 16 keys are 16
@@ -214,7 +216,6 @@ void matrix_rows(const Item& it, int64_t hh, int64_t blk, int64_t n, const float
 // output accumulates as o^T[d] = o^T[d] * corr + sum_t V[t][d] * p[t], 8 columns of d at a time. No transpose of
 // K per block (matrix_rows transposes the block's K and runs its scores as 4 latency-bound chains, which left
 // a 5-token verification run at ~4x a decode's cost per sequence).
-constexpr int64_t kLanes = 16;
 
 // e^x for float32 lanes, to ~1e-7 relative: 2^(x log2 e) as 2^n (scalef) times 2^f, |f| <= 1/2, by its Taylor
 // series to degree 7 (error below 3e-9). A large negative x (a masked score) gives 0.
