@@ -126,3 +126,28 @@ def test_no_compiler_falls_back_with_warning(tmp_path, cache_dir, monkeypatch, c
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == cpu_kernels.__name__]
     assert len(warnings) == 1
     assert "tiny test" in warnings[0] and "PyTorch path" in warnings[0] and "no-such-compiler" in warnings[0]
+
+
+def test_kernel_sources_build_without_avx512():
+    """Every C++ kernel compiles for a CPU without AVX-512 (x86-64-v2), where its vector paths are left out:
+    built with -march=native on such a machine, a compile error would silently drop to the PyTorch fallback.
+    Syntax and types only (-fsyntax-only), against torch's headers."""
+    import glob
+    import shutil
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    root = os.path.join(os.path.dirname(__file__), "..", "kvserve")
+    sources = sorted(glob.glob(os.path.join(root, "**", "csrc", "*.cpp"), recursive=True))
+    assert len(sources) >= 3
+    includes = [f"-I{p}" for p in include_paths() + [sysconfig.get_paths()["include"]]]
+    procs = [(src, subprocess.Popen([compiler, "-std=c++17", "-fsyntax-only", "-march=x86-64-v2", "-fopenmp",
+                                     "-DTORCH_EXTENSION_NAME=kvserve_check", *includes, src],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+             for src in sources]
+    failed = {os.path.relpath(src, root): p.communicate()[0][-2000:] for src, p in procs if p.wait() != 0}
+    assert not failed, failed
