@@ -162,3 +162,32 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path):
     save_file(broken, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"unexpected tensors in checkpoint: model\.layers\.0\.extra\.weight"):
         Engine(EngineArgs(model=str(tmp_path)))
+
+
+def test_head_dim_64_logits_match_transformers(tmp_path):
+    """A head_dim the attention kernel is compiled for (64, as SmolLM2's): its tiles of many query rows (fresh
+    prefills, chunks after cached context, a 5-token run as a request verifying drafts) take the vector-lanes
+    path, decodes the dot-product one; the tiny checkpoints above (head_dim 16) take the generic path."""
+    import transformers as tf
+
+    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)  # GQA groups of 3, as SmolLM2's
+    hf = tf.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # as make_tiny_checkpoint: logits far from ties
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    hf.save_pretrained(str(tmp_path))
+    load_gguf_tokenizer(builtin_model_path()).save_pretrained(str(tmp_path))
+    engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64, attention_backend="cpu_paged"))
+    g = torch.Generator().manual_seed(7)
+    batch = _mixed_batch(seed=5) + [(torch.randint(0, 49152, (70,), generator=g).tolist(), 65, 5)]
+    for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
+        ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    engine.scheduler.check_invariants()
+    assert engine.block_pool.counts()["in_use"] == 0

@@ -317,6 +317,9 @@ def _save(model, src_path: str, dst_path: str) -> str:
     ("int8", lambda: Int8WeightOnlyMethod(32), {}),
     ("int8", Int8WeightOnlyMethod, {"quantization_group_size": -1, "quantize_lm_head": False}),
     ("int4", lambda: Int4WeightOnlyMethod(32), {"quantization_group_size": 32}),
+    # all four prompts in one step of >= 48 rows: the tiles (the tiny layers' outputs are whole tiles of 64)
+    ("int8", lambda: Int8WeightOnlyMethod(32), {"max_num_batched_tokens": 256}),
+    ("int4", lambda: Int4WeightOnlyMethod(32), {"quantization_group_size": 32, "max_num_batched_tokens": 256}),
 ])
 def test_quantized_engine_equals_the_dequantized_checkpoint(tiny_llama, tmp_path, quantization, factory, extra):
     path, hf_model = tiny_llama
