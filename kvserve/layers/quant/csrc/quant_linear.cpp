@@ -410,12 +410,16 @@ void linear_tiles(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t 
 }
 #endif
 
-inline bool tiles_fit(int64_t m, int64_t n_out, int64_t k) {
+// Batch sizes past linear_small's: the tiles where the layer's shape allows them, else the panels.
+template <typename RowFn>
+void linear_batch(const float* xp, float* yp, int64_t m, int64_t n_out, int64_t k, RowFn row) {
 #ifdef __AVX512F__
-  return m >= kTileRows && n_out % kTileBlock == 0 && k % 16 == 0;
-#else
-  return false;
+  if (m >= kTileRows && n_out % kTileBlock == 0 && k % 16 == 0) {
+    linear_tiles(xp, yp, m, n_out, k, row);
+    return;
+  }
 #endif
+  linear_panels(xp, yp, m, n_out, k, row);
 }
 
 #ifdef __AVX512F__
@@ -455,13 +459,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   }
 #endif
   const auto row = [&](int64_t n, float* w) { dequant_row_int8(qp + n * k, sp + n * (k / group), group, k, w); };
-#ifdef __AVX512F__
-  if (tiles_fit(m, n_out, k)) {
-    linear_tiles(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, row);
-    return y;
-  }
-#endif
-  linear_panels(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, row);
+  linear_batch(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, row);
   return y;
 }
 
@@ -491,13 +489,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   const auto row = [&](int64_t n, float* w) {
     dequant_row_int4(qp + n * (k / 2), sp + n * (k / group), mp + n * (k / group), group, k, w);
   };
-#ifdef __AVX512F__
-  if (tiles_fit(m, n_out, k)) {
-    linear_tiles(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, row);
-    return y;
-  }
-#endif
-  linear_panels(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, row);
+  linear_batch(x.data_ptr<float>(), y.data_ptr<float>(), m, n_out, k, row);
   return y;
 }
 
