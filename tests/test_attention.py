@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
+from kvserve.attention.prefill import write_kv
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.kv_cache.quant import dequantize, quantize
 
@@ -159,3 +160,27 @@ def test_single_sequence_decode_split_over_threads(seq_len, threads, num_queries
             expected.append(_dense_decode(q[row:row + 1], [flat[visible, 0]], [flat[visible, 1]], d ** -0.5)[0])
             row += 1
     torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_write_kv_matches_index_copy(dtype):
+    """The C++ kernel's write of a step's K/V (strided views into a fused qkv, as the model passes them) lands
+    exactly where write_kv's torch.stack + index_copy_ puts them, and nowhere else."""
+    kernel = _kernel_or_skip()
+
+    torch.manual_seed(0)
+    t, hq, hkv, d, blocks, bs = 7, 4, 2, 16, 5, 4
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+    _, k, v = qkv.view(t, -1, d).split_with_sizes([hq, hkv, hkv], dim=1)
+    assert not k.is_contiguous()
+    slots = torch.randperm(blocks * bs)[:t]
+    ours = torch.randn(blocks, bs, 2, hkv, d).to(dtype)
+    ref = ours.clone()
+    kernel.write_kv_(ours, slots, k, v)
+    write_kv(ref, slots, k, v)
+    assert torch.equal(ours, ref)
+
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel.write_kv_(ours, torch.tensor([0, 1, 2, 3, 4, 5, blocks * bs]), k, v)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel.write_kv_(ours, slots, k.float() if dtype == torch.bfloat16 else k.bfloat16(), v)

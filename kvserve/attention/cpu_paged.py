@@ -65,9 +65,12 @@ class CPUPagedBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
-        write_kv(kv_cache, meta.slot_mapping, k, v)
-        values, scales = ((kv_cache.values, kv_cache.scales) if isinstance(kv_cache, QuantizedKVCache)
-                          else (kv_cache, None))
+        if isinstance(kv_cache, QuantizedKVCache):
+            write_kv(kv_cache, meta.slot_mapping, k, v)
+            values, scales = kv_cache.values, kv_cache.scales
+        else:
+            self.kernel.write_kv_(kv_cache, meta.slot_mapping, k, v)
+            values, scales = kv_cache, None
         s = meta.shared
         # NOTE: the kernel takes and returns float32 queries; a bf16 model's are widened and the result rounded
         # back (a copy of q, small beside the K/V it reads).

@@ -74,6 +74,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.scale = self.head_dim ** -0.5
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, method,
                                         shard.rank, shard.size, shard.all_reduce)
@@ -91,10 +92,8 @@ class Attention(nn.Module):
             qkv = torch.cat((q, k, v), dim=-1)
         # RoPE on the q and k heads together, in one call (they are adjacent in the fused projection)
         qkv = ops.rope_qk(qkv, *rope_cos_sin, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)                          # [T, Hq, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)                       # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        # q [T, Hq, D], k and v [T, Hkv, D]: views split by heads (two calls where split + three views took four)
+        q, k, v = qkv.view(t, -1, self.head_dim).split_with_sizes(self.head_split, dim=1)
         o = self.backend.forward(q, k, v, kv_cache, attn_meta, self.scale)    # [T, Hq, D]
         return self.o_proj.forward(o.reshape(t, self.q_size))
 

@@ -747,7 +747,39 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor b
   return out;
 }
 
+// kv [num_blocks, block_size, 2, Hkv, D] float32 or bfloat16: k and v [T, Hkv, D] of the same dtype (rows of any
+// stride: views into the step's fused qkv projection) written at slot_mapping [T] int64 (block * block_size +
+// offset). One call per layer for what torch.stack + index_copy_ did in two, each of which
+// copied the step's K/V once more.
+void write_kv_(torch::Tensor kv, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.size(2) == 2, "write_kv_: kv must be a contiguous "
+              "[num_blocks, block_size, 2, Hkv, D] tensor");
+  TORCH_CHECK(kv.scalar_type() == torch::kFloat32 || kv.scalar_type() == torch::kBFloat16,
+              "write_kv_: the cache must be float32 or bfloat16 (a quantized one is written through its scales)");
+  const int64_t T = slot_mapping.size(0), Hkv = kv.size(3), D = kv.size(4), slots = kv.size(0) * kv.size(1);
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.is_contiguous() && slot_mapping.scalar_type() == torch::kInt64,
+              "write_kv_: slot_mapping must be [T] int64");
+  for (const torch::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == Hkv && t->size(2) == D &&
+                    t->scalar_type() == kv.scalar_type() && t->stride(2) == 1 && t->stride(1) == D,
+                "write_kv_: k and v must be [T, Hkv, D] of the cache's dtype with contiguous heads");
+  }
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  const int64_t row = Hkv * D, bytes = row * static_cast<int64_t>(kv.element_size());
+  char* dst = static_cast<char*>(kv.data_ptr());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t kstride = k.stride(0) * kv.element_size(), vstride = v.stride(0) * kv.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sm[t] >= 0 && sm[t] < slots, "write_kv_: slot ", sm[t], " is outside the cache's ", slots, " slots");
+    std::memcpy(dst + sm[t] * 2 * bytes, ks + t * kstride, bytes);
+    std::memcpy(dst + (sm[t] * 2 + 1) * bytes, vs + t * vstride, bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv_", &write_kv_, "write a step's K/V rows into a float32 or bfloat16 paged cache (in place)",
+        py::arg("kv"), py::arg("slot_mapping"), py::arg("k"), py::arg("v"));
   m.def("paged_attention", &paged_attention,
         "paged attention, decode and prefill (CPU; float32 queries, a float32, int8 or fp8 e4m3 cache; optional "
         "shared-prefix groups)",
