@@ -169,7 +169,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: i
     """x [..., K] float32 or bfloat16 -> [..., N] (x's dtype) with w = int8_dequantize(q, scales, group)."""
     m = _module()
     if _decode_rows(m, x) and group % 32 == 0:
-        y = m.int8_linear(x, q, scales, group, fixed=fixed_point)
+        y = m.int8_linear(x, q, scales, group, fixed_point)  # NOTE: positional: pybind's keyword parsing costs ~0.6 us
         return y if bias is None else y + bias
     x2 = _rows(x)
     if not _kernel_takes(m, x2, q.shape[0]) or group % 32:  # the kernel reads whole runs of 32 weights
@@ -187,7 +187,7 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: to
     """x [..., K] float32 or bfloat16 -> [..., N] (x's dtype) with w = int4_dequantize(q, scales, mins, group)."""
     m = _module()
     if _decode_rows(m, x):
-        y = m.int4_linear(x, q, scales, mins, group, fixed=fixed_point)
+        y = m.int4_linear(x, q, scales, mins, group, fixed_point)
         return y if bias is None else y + bias
     x2 = _rows(x)
     if not _kernel_takes(m, x2, q.shape[0]):
