@@ -1,8 +1,10 @@
 """Which kernel is fastest at SmolLM2's linear shapes: `python -m kvserve.layers.quant.bench [--layers N]`.
 
 Times the four projections of a decoder layer (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) for
-1, 16 and 512 input rows, cycling through `--layers` distinct copies so the weights come from memory as in
-a whole model's decode, not from cache. Rows: the fp32 oneDNN method (the default); our int8 / int4 / GGUF
+1, 16 and 512 input rows, cycling through `--layers` distinct copies so that the weights come from memory as in
+a whole model's decode, not from cache. NOTE: the default 6 copies hold ~21 MB of int8 (~85 MB of fp32), which
+a 32 MB L3 keeps: for the quantized rows' memory-bound case (1-2 rows) pass `--layers 30`, SmolLM2's count, as
+the in-model figures do. Rows: the fp32 oneDNN method (the default); our int8 / int4 / GGUF
 Q8_0 methods (kernels.py); PyTorch's own weight-only kernels with float32 and with bfloat16 activations;
 and F.linear on a bfloat16 copy of the weight (bfloat16 activations too). It also prints how far GGUF
 Q8_0 blocks move when rescaled to one scale per output channel (the lossy way onto `_weight_int8pack_mm`).
@@ -111,7 +113,8 @@ def _q8_0_per_channel_error(w: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=6, help="distinct decoder layers cycled through")
+    parser.add_argument("--layers", type=int, default=6,
+                        help="distinct decoder layers cycled through (30: more int8 weight than a 32 MB L3 holds)")
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 512])
     parser.add_argument("--threads", type=int, default=1,
