@@ -125,6 +125,30 @@ def test_report_ratios_targets_and_failed_peers():
     assert vllm_mixed.split()[-2] == "1.50"
 
 
+def test_repeated_runs_report_each_engines_median_run():
+    """--repeat: the reported row is one real run (the median by speed), failed runs are skipped but listed,
+    and a one-request workload is ranked by single-stream decode rate, not total tok/s."""
+    runs = [_row(300.0), {"error": "run: boom"}, _row(100.0), _row(200.0)]
+    row = compare.median_run(runs)
+    assert row["total_token_throughput"] == 200.0 and row["repeats"] == [300.0, None, 100.0, 200.0]
+    assert compare.median_run([_row(300.0), _row(100.0)])["total_token_throughput"] == 100.0  # lower middle
+    assert "repeats" not in compare.median_run([_row(300.0)])
+    assert compare.median_run([{"error": "a"}, {"error": "b"}]) == {"error": "b"}
+
+    def decode(tpot_ms: float, tps: float) -> dict:
+        return _row(tps, tpot={"mean_ms": tpot_ms, "median_ms": tpot_ms, "p99_ms": tpot_ms})
+
+    single = compare.median_run([decode(10.0, 1.0), decode(5.0, 3.0), decode(8.0, 2.0)], single_stream=True)
+    assert single["tpot"]["mean_ms"] == 8.0 and [round(v) for v in single["repeats"]] == [100, 200, 125]
+
+    report = {"machine": {"cpu": "x", "cores": 2}, "settings": {"threads": 2, "max_num_batched_tokens": 512,
+                                                                  "kv_cache_gib": 2},
+              "engines": {"kvserve": {"version": "v", "notes": ""}},
+              "workloads": {"decode1": {"kvserve": single}}}
+    text = compare.format_report(report, {"decode1": [WorkloadRequest("a", [1, 2], 3)]})
+    assert "each run, in order (single-stream decode tok/s" in text and "100.0 / 200.0 / 125.0" in text
+
+
 def test_q8_0_gguf_requantizes_quantized_tensors_only(tmp_path):
     src, dst = str(tmp_path / "q.gguf"), str(tmp_path / "q8.gguf")
     _write_quantized_gguf(src)
@@ -201,6 +225,7 @@ def test_unknown_peer_and_missing_workload_are_errors(tmp_path):
     assert main(["bench", "compare", "--peers", "kvserve,sglang", "--peers-dir", str(tmp_path)]) == 2
     assert main(["bench", "compare", "--workloads", "nope", "--workload-dir", str(tmp_path),
                  "--peers-dir", str(tmp_path)]) == 2
+    assert main(["bench", "compare", "--repeat", "0", "--peers-dir", str(tmp_path)]) == 2
 
 
 @pytest.mark.slow

@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV-cache size of every engine")
     parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags, e.g. "
                                                            "'--long-prefill-token-threshold 64'")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every engine this many times per workload, interleaved (A, B, A, B, ...), and "
+                             "report each engine's median run: on a machine whose speed drifts between minutes, "
+                             "ratios of engines measured side by side (the runs' figures are listed too)")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
     parser.add_argument("--setup-only", action="store_true", help="install peers and prepare weights, then stop")
     parser.add_argument("--json", dest="json_path", default=None,
@@ -69,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     names = expand_peers(args.peers)
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     peers_dir = os.path.abspath(args.peers_dir)
     workloads = {name: _workload_path(name, args.workload_dir, peers_dir) for name in
                  (w.strip() for w in args.workloads.split(",") if w.strip())}
@@ -93,19 +99,24 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         report["engines"][name] = {"notes": PEERS[name].notes, "version": _version(PEERS[name], ready.get(name))}
     for wname, reqs in requests.items():
-        rows = report["workloads"][wname] = {}
-        for name in names:
-            if name in failed:
-                rows[name] = {"error": failed[name]}
-                continue
-            print(f"[compare] {wname}: {name} ...", file=sys.stderr, flush=True)
-            env, weights = ready[name]
-            try:
-                rows[name] = _run_one(PEERS[name], env, weights, workloads[wname], reqs, settings, log_dir,
-                                      args.startup_timeout)
-            except (PeerError, OSError, httpx.HTTPError) as e:
-                rows[name] = {"error": f"run: {e}"}
-            print(f"[compare] {wname}: {name}: {_brief(rows[name])}", file=sys.stderr, flush=True)
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for rep in range(args.repeat):
+            for name in names:
+                if name in failed:
+                    runs[name].append({"error": failed[name]})
+                    continue
+                tag = f"{name} (run {rep + 1}/{args.repeat})" if args.repeat > 1 else name
+                print(f"[compare] {wname}: {tag} ...", file=sys.stderr, flush=True)
+                env, weights = ready[name]
+                try:
+                    row = _run_one(PEERS[name], env, weights, workloads[wname], reqs, settings, log_dir,
+                                   args.startup_timeout)
+                except (PeerError, OSError, httpx.HTTPError) as e:
+                    row = {"error": f"run: {e}"}
+                runs[name].append(row)
+                print(f"[compare] {wname}: {tag}: {_brief(row)}", file=sys.stderr, flush=True)
+        rows = report["workloads"][wname] = {name: median_run(r, single_stream=len(reqs) == 1)
+                                             for name, r in runs.items()}
         _mark_agreement(rows)
     report["roofline"] = _roofline(report, requests)
     report["targets"] = _targets(report)
@@ -326,6 +337,26 @@ def _mark_agreement(rows: dict) -> None:
     rows.get("kvserve", {}).pop("texts", None)
 
 
+def median_run(runs: list[dict], single_stream: bool = False) -> dict:
+    """One engine's runs of a workload -> the run to report: the one of median speed among those that
+    completed (single-stream decode tok/s for a one-request workload, else total tok/s; the lower middle of an
+    even count), so that every figure of the row comes from one real run. With several runs the row keeps
+    every run's speed in `repeats` (None for a failed one); with none completed it is the last run's error."""
+    def speed(row: dict) -> float | None:
+        if "error" in row or not row.get("completed"):
+            return None
+        return decode_tok_s(row) if single_stream else row["total_token_throughput"]
+
+    speeds = [speed(r) for r in runs]
+    ok = sorted((v, i) for i, v in enumerate(speeds) if v is not None)
+    if not ok:
+        return runs[-1]
+    row = dict(runs[ok[(len(ok) - 1) // 2][1]])
+    if len(runs) > 1:
+        row["repeats"] = speeds
+    return row
+
+
 def _brief(row: dict) -> str:
     if "error" in row:
         return row["error"]
@@ -381,6 +412,12 @@ def format_report(report: dict, requests: dict[str, list[WorkloadRequest]]) -> s
         if len(reqs) == 1:
             lines.append("single-stream decode tok/s (1000 / mean time per output token after the first):")
             lines += [f"  {n:<15}{decode_tok_s(r):>8.1f}" for n, r in rows.items() if decode_tok_s(r)]
+        repeated = [(n, r["repeats"]) for n, r in rows.items() if "repeats" in r]
+        if repeated:
+            what = "single-stream decode tok/s" if len(reqs) == 1 else "total tok/s"
+            lines.append(f"each run, in order ({what}; the median run is reported):")
+            lines += [f"  {n:<15}" + " / ".join("failed" if v is None else f"{v:.1f}" for v in vs)
+                      for n, vs in repeated]
         firsts = [(n, r["itl_first_arrivals"]) for n, r in rows.items() if "itl_first_arrivals" in r]
         if firsts:
             lines.append("requests there from t=0 (while the late prompts prefill): ITL p50 / p99 (p99/p50)")
