@@ -95,3 +95,18 @@ def test_percentiles_match_numpy_linear_interpolation():
     assert s["mean_ms"] == pytest.approx(50.5) and s["median_ms"] == pytest.approx(50.5)
     assert s["p99_ms"] == pytest.approx(99.01)
     assert bench._stats([]) == {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
+    import socket
+
+    from kvserve.cli.main import main
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(WORKLOAD_SRC.read_text().splitlines()[0] + "\n")
+    for command in (["bench", "serve"], ["bench", "sweep", "--rates", "1", "--output", str(tmp_path / "s.json")]):
+        assert main([*command, "--base-url", f"http://127.0.0.1:{port}", "--workload", str(workload)]) == 2
+        assert f"kvserve: error: cannot reach http://127.0.0.1:{port}" in capsys.readouterr().err

@@ -307,10 +307,11 @@ def test_pool_holds_about_four_times_the_tokens_of_float32(tiny_llama):
 
 
 def test_bad_kv_cache_dtype_is_a_clear_error():
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, got 'int4'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8, fp8_e4m3, got 'int4'"):
         EngineArgs(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        resolve_kv_cache_dtype("fp8", torch.float32)
+        resolve_kv_cache_dtype("fp8_e5m2", torch.float32)
+    assert resolve_kv_cache_dtype("fp8", torch.float32) == torch.float8_e4m3fn  # vLLM's alias
     assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     with pytest.raises(ValueError, match="needs scale_dtype"):
         KVCacheSpec(2, 4, 16, 2, 64, torch.int8)

@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -419,6 +420,21 @@ def test_bad_input_gets_openai_error_and_server_still_serves(http, model, check_
     for needle in needles:
         assert needle in r.json()["error"]["message"], r.json()
     assert http.post("/v1/completions", json={"model": model, "prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+def test_malformed_chunked_body_is_a_400_not_a_traceback(server, http, model):
+    """A chunked body that is not chunked encoding: the HTTP parser answers 400 and closes mid-body, and
+    the body reader takes that as an incomplete body (before: an unhandled ClientDisconnect, logged as an
+    exception in the ASGI application)."""
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    seen = len(server.log())
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+                     + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+        assert sock.recv(64).startswith(b"HTTP/1.1 400 ")
+    assert http.post("/v1/completions", json={"model": model, "prompt": "ok", "max_tokens": 1}).status_code == 200
+    new_log = server.log()[seen:]
+    assert "Traceback" not in new_log and "Exception in ASGI application" not in new_log, new_log
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])

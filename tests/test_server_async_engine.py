@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from kvserve.config import EngineArgs
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestTimeoutError
 from kvserve.sampling_params import SamplingParams
 
 
@@ -58,6 +58,34 @@ def test_stream_deltas_admission_abort_and_shutdown(tiny_llama):
         await engine.shutdown()
         with pytest.raises(EngineDeadError):
             await engine.add_request("late", [1, 2], params)
+
+    asyncio.run(main())
+
+
+def test_deadline_aborts_a_stream_and_a_finished_stream_cancels_its_timer(tiny_llama):
+    """One timer per stream: past its deadline the request is aborted and the iterator raises
+    RequestTimeoutError (blocks freed); a stream that finishes first cancels its timer."""
+    async def main():
+        engine = _engine(tiny_llama[0])
+        await engine.start()
+        loop = asyncio.get_running_loop()
+        long = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0)
+        stream = await engine.add_request("slow", [1, 2, 3], long, deadline=loop.time() + 0.3)
+        outputs = 0
+        with pytest.raises(RequestTimeoutError, match="--request-timeout"):
+            async for _ in stream:
+                outputs += 1
+        assert 0 < outputs < 1000 and stream.finished
+        while engine.num_inflight_seqs:
+            await asyncio.sleep(0.01)
+        assert engine.stats.kv_cache_usage == 0
+
+        done = await engine.add_request("quick", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True),
+                                        deadline=loop.time() + 60)
+        async for out in done:
+            pass
+        assert out.finished and done._timer.cancelled()
+        await engine.shutdown()
 
     asyncio.run(main())
 

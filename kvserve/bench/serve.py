@@ -102,9 +102,7 @@ async def collect(base_url: str, requests: list[WorkloadRequest], arrivals: list
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(timeout)) as client:
         if model is None:
-            r = await client.get("/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+            model = await first_model(client, base_url)
         gate = asyncio.Semaphore(concurrency) if concurrency else None
         start = time.perf_counter()
 
@@ -117,6 +115,21 @@ async def collect(base_url: str, requests: list[WorkloadRequest], arrivals: list
 
         results = list(await asyncio.gather(*(one(r, t) for r, t in zip(requests, arrivals))))
     return results, model
+
+
+async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model of GET /v1/models; ValueError (the CLI's clear error) when the server cannot be reached
+    or does not answer with a model list."""
+    try:
+        r = await client.get("/v1/models")
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {base_url}: {e or type(e).__name__}") from None
+    try:
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"GET {base_url.rstrip('/')}/v1/models answered {r.status_code} without a model: "
+                         f"{r.text[:200]}") from None
 
 
 async def send_request(client: httpx.AsyncClient, model: str, req: WorkloadRequest) -> RequestResult:

@@ -33,7 +33,7 @@ __all__ = ["KV_DTYPE_BYTES", "add_arguments", "run", "kv_bytes_per_token", "load
 KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 # The engine's quantized caches (kv_cache/quant.py, which imports torch: not imported here): one byte per
 # element, one bfloat16 scale per token, KV head and K/V.
-QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3")
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3")
 KV_SCALE_BYTES = 2
 # Spellings of torch dtypes that can appear in config.json's "torch_dtype" / "dtype".
 _CONFIG_DTYPE_NAMES = {

@@ -71,7 +71,7 @@ class EngineArgs:
     kv_cache_memory: str = field(default="2GiB", metadata={
         "help": "KV-cache pool size on CPU, e.g. 2GiB or 512MiB"})
     kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "KV-cache element type: auto (the model's dtype), int8 or fp8_e4m3 (one byte per element "
+        "help": "KV-cache element type: auto (the model's dtype), int8 or fp8_e4m3 (fp8: vLLM's alias; one byte per element "
                 "plus a bfloat16 scale per token and KV head for K and for V: ~4x the tokens of a float32 "
                 "cache in the same --kv-cache-memory)",
         "choices": KV_CACHE_DTYPES})

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
-"""--kv-cache-dtype's choices (vLLM's names); auto: the model's dtype, values stored as they are."""
-_QUANTIZED = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+"""--kv-cache-dtype's choices (vLLM's names: its `fp8` is `fp8_e4m3`); auto: the model's dtype, values stored as
+they are."""
+_QUANTIZED = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 _MIN_AMAX = 1e-30
 SCALE_DTYPE = torch.bfloat16
@@ -48,7 +49,7 @@ def is_quantized(dtype: torch.dtype) -> bool:
 
 def dtype_name(dtype: torch.dtype) -> str:
     """int8, fp8_e4m3, or torch's own name (float32, bfloat16, ...): what logs and metrics show."""
-    names = {v: k for k, v in _QUANTIZED.items()}
+    names = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}
     return names.get(dtype, str(dtype).removeprefix("torch."))
 
 

@@ -15,6 +15,7 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from kvserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInternalError, EngineOverloadedError,
                                          RequestAbortedError, RequestStream, RequestTimeoutError)
@@ -200,11 +201,17 @@ async def read_body(request: Request, model: type[M], max_bytes: int) -> M:
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:  # NOTE: chunked bodies carry no content-length; count as they arrive
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:  # NOTE: chunked bodies carry no content-length; count as they arrive
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # NOTE: the client left mid-body, or uvicorn's parser gave up on it (a malformed chunked body: it has
+        # already answered 400 and closed); an error, not a traceback in the log
+        raise APIError(400, "the request body ended before it was complete (the connection closed)",
+                       code="incomplete_body") from None
     try:
         return model.model_validate_json(b"".join(chunks))
     except ValidationError as e:
