@@ -11,7 +11,7 @@ from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.prefill import write_kv
 from kvserve.attention.torch_ref import TorchRefBackend
-from kvserve.kv_cache.quant import dequantize, quantize
+from kvserve.kv_cache.quant import dequantize, quantize_blocks
 
 
 def _dense_decode(q, ks, vs, scale):
@@ -134,8 +134,8 @@ def test_single_sequence_decode_split_over_threads(seq_len, threads, num_queries
     cache = torch.randn((num_blocks, bs, 2, hkv, d), generator=g)
     scales = None
     if cache_dtype != torch.float32:
-        values, scales = quantize(cache, cache_dtype)
-        cache, values = dequantize(values, scales), values
+        values, scales = quantize_blocks(cache, cache_dtype)               # one scale per block: the engine's
+        cache, values = dequantize(values, scales[:, None].expand(-1, bs, -1, -1)), values
     perm = torch.randperm(num_blocks, generator=g).tolist()
     lens = [seq_len] if threads != 3 else [seq_len, 5]   # with 3 threads, two sequences: the long one splits in 2
     tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]

@@ -15,7 +15,7 @@ from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
-from kvserve.kv_cache.quant import dequantize, quantize
+from kvserve.kv_cache.quant import dequantize, quantize_blocks
 from kvserve.sampling_params import SamplingParams
 from test_model_equivalence import hf_logits
 
@@ -36,8 +36,8 @@ def _case(seed, block_size, hq, hkv, d, seqs, shared_blocks=0, dtype=None):
     g = torch.Generator().manual_seed(seed)
     need = sum(-(-(c + q) // block_size) for c, q in seqs) + shared_blocks
     full = torch.randn(need + 2, block_size, 2, hkv, d, generator=g)
-    values, scales = (full, None) if dtype is None else quantize(full, dtype)
-    held = full if dtype is None else dequantize(values, scales)
+    values, scales = (full, None) if dtype is None else quantize_blocks(full, dtype)   # the engine's layout
+    held = full if dtype is None else dequantize(values, scales[:, None].expand(-1, block_size, -1, -1))
     perm = torch.randperm(need + 2, generator=g).tolist()
     prefix = [perm.pop() for _ in range(shared_blocks)]
     tables = []

@@ -1,7 +1,8 @@
-"""The quantized KV cache (--kv-cache-dtype int8 | fp8_e4m3): round-trip error bounds, the C++ decode kernel
-and both backends against a dense reference on the dequantized cache, the engine against its float32-cache
-self (logits within a stated tolerance, greedy agreement reported, block invariants after every step through
-chunked prefill, prefix hits and preemption), pool capacity, and clear errors for bad values."""
+"""The quantized KV cache (--kv-cache-dtype int8 | fp8_e4m3): round-trip error bounds, the block-scale write
+rule (PyTorch and C++ byte for byte, growth and requantization, reset of a new block), the rotation, the C++
+decode kernel and both backends against a dense reference on the dequantized cache, the engine against its
+float32-cache self (logits within a stated tolerance, greedy agreement reported, block invariants after every
+step through chunked prefill, prefix hits and preemption), pool capacity, and clear errors for bad values."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,9 @@ from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.kv_cache.layout import KVCacheSpec
-from kvserve.kv_cache.quant import QuantizedKVCache, dequantize, quantize, resolve_kv_cache_dtype
+from kvserve.kv_cache.quant import (QuantizedKVCache, dequantize, gather_dequantized, quantize, quantize_blocks,
+                                    resolve_kv_cache_dtype, write_block_scaled)
+from kvserve.kv_cache.rotation import rotate, rotation
 from kvserve.sampling_params import SamplingParams
 from paged_cache_helpers import scatter_sequences
 from test_attention import _dense_decode
@@ -114,15 +117,21 @@ def test_kernel_reads_every_code_exactly(dtype):
     torch.testing.assert_close(out[:, 0], v.float().view(rows, d) * 0.5, atol=0, rtol=0)
 
 
-def _quantized_case(dtype, block_size, num_heads, num_kv_heads, head_dim, seed):
-    """A random quantized cache, scattered block tables, ragged lengths; returns what a decode step needs plus
-    each sequence's dequantized K/V (the reference's input)."""
+def _quantized_case(dtype, block_size, num_heads, num_kv_heads, head_dim, seed, per_block=True):
+    """A random quantized cache (one scale per block, the engine's layout, or per slot, which the kernel also
+    reads), scattered block tables, ragged lengths; returns what a decode step needs plus each sequence's
+    dequantized K/V (the reference's input)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 40
     full = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=g)
     full *= torch.rand(num_blocks, block_size, 2, num_kv_heads, 1, generator=g) * 4   # per-token magnitudes
-    values, scales = quantize(full, dtype)
-    deq = dequantize(values, scales).view(-1, 2, num_kv_heads, head_dim)
+    if per_block:
+        values, scales = quantize_blocks(full, dtype)
+        deq = dequantize(values, scales[:, None].expand(-1, block_size, -1, -1))
+    else:
+        values, scales = quantize(full, dtype)
+        deq = dequantize(values, scales)
+    deq = deq.view(-1, 2, num_kv_heads, head_dim)
     q, table, seq_lens, tables, ks, vs = scatter_sequences(deq, num_blocks, block_size, num_heads, head_dim, g)
     return q, QuantizedKVCache(values, scales), table, seq_lens, tables, ks, vs
 
@@ -135,11 +144,13 @@ GEOMETRIES = [(bs, hq, hkv, 64) for bs in (16, 32) for hq, hkv in ((9, 3), (4, 4
 
 @pytest.mark.parametrize("dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
 @pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim", GEOMETRIES)
+@pytest.mark.parametrize("per_block", [True, False], ids=["block-scales", "slot-scales"])
 def test_kernel_on_quantized_cache_matches_dense_on_dequantized(dtype, block_size, num_heads, num_kv_heads,
-                                                                head_dim):
+                                                                head_dim, per_block):
     kernel = _kernel_or_skip()
     q, cache, table, seq_lens, _, ks, vs = _quantized_case(dtype, block_size, num_heads, num_kv_heads, head_dim,
-                                                           seed=block_size + num_heads + head_dim)
+                                                           seed=block_size + num_heads + head_dim,
+                                                           per_block=per_block)
     scale = head_dim ** -0.5
     out = kernel.paged_decode_attention(q, cache.values, table, torch.tensor(seq_lens), scale, None, cache.scales)
     torch.testing.assert_close(out, _dense_decode(q, ks, vs, scale), atol=1e-5, rtol=1e-5)
@@ -161,10 +172,17 @@ def test_kernel_on_quantized_cache_with_several_queries_per_sequence(dtype):
     torch.testing.assert_close(grouped, alone, atol=1e-5, rtol=1e-5)
 
 
+def _dequantized_slots(cache: QuantizedKVCache) -> torch.Tensor:
+    """Every slot of the cache, dequantized: [num_blocks * block_size, 2, Hkv, D]."""
+    n, bs = cache.values.shape[:2]
+    return gather_dequantized(cache, torch.arange(n * bs), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_backend_decode_writes_quantized_and_matches_dense_on_dequantized(dtype, use_kernel):
-    """forward() quantizes the decode token's own K/V into the cache, then attends over what the cache holds."""
+    """forward() rotates the decode token's own K/V and quantizes them into the cache, then attends over what
+    the cache holds with a rotated query, and rotates the result back."""
     backend = CPUPagedBackend(_kernel_or_skip()) if use_kernel else TorchRefBackend()
     block_size, hq, hkv, d = 16, 9, 3, 64
     q, cache, table, seq_lens, tables, _, _ = _quantized_case(dtype, block_size, hq, hkv, d, seed=3)
@@ -177,34 +195,32 @@ def test_backend_decode_writes_quantized_and_matches_dense_on_dequantized(dtype,
         slot_mapping=slots, num_decodes=len(seq_lens), num_decode_tokens=len(seq_lens), block_size=block_size,
         query_lens_cpu=[1] * len(seq_lens), seq_lens_cpu=seq_lens)
     out = backend.forward(q, k_new, v_new, cache, backend.build_metadata(common), d ** -0.5)
-    deq = dequantize(cache.values, cache.scales).view(-1, 2, hkv, d)
-    written = deq[slots]                                              # [B, 2, Hkv, D]
+    deq = _dequantized_slots(cache)
+    written = rotate(deq[slots])                                      # [B, 2, Hkv, D], rotated back
     assert (written[:, 0] - k_new).abs().max() < 0.07 * k_new.abs().max()   # quantized, not dropped
     ks, vs = [], []
     for t, n in zip(tables, seq_lens):
         s = torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(n)])
         ks.append(deq[s, 0])
         vs.append(deq[s, 1])
-    torch.testing.assert_close(out, _dense_decode(q, ks, vs, d ** -0.5), atol=1e-5, rtol=1e-5)
+    ref = rotate(_dense_decode(rotate(q), ks, vs, d ** -0.5))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_prefill_chunk_gathers_dequantized_context(use_kernel):
     """A later prefill chunk attends to its context, and to its own K/V, as the cache stores them
-    (dequantized as they are gathered)."""
+    (dequantized as they are gathered, in the rotated basis)."""
     backend = CPUPagedBackend(_kernel_or_skip()) if use_kernel else TorchRefBackend()
     g = torch.Generator().manual_seed(5)
     bs, hkv, hq, d, ctx, q_len = 16, 2, 4, 32, 40, 20
     n = ctx + q_len
-    values = torch.zeros(8, bs, 2, hkv, d, dtype=torch.int8)
-    cache = QuantizedKVCache(values, torch.ones(8, bs, 2, hkv, dtype=torch.bfloat16))
+    cache = QuantizedKVCache(torch.zeros(8, bs, 2, hkv, d, dtype=torch.int8),
+                             torch.ones(8, 2, hkv, dtype=torch.bfloat16))
     k_all, v_all = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
     table = [5, 2, 7, 0]
     slot = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
-    kq, ks_ = quantize(k_all[:ctx], torch.int8)
-    vq, vs_ = quantize(v_all[:ctx], torch.int8)
-    values.view(-1, 2, hkv, d)[slot[:ctx], 0], values.view(-1, 2, hkv, d)[slot[:ctx], 1] = kq, vq
-    cache.scales.view(-1, 2, hkv)[slot[:ctx], 0], cache.scales.view(-1, 2, hkv)[slot[:ctx], 1] = ks_, vs_
+    write_block_scaled(cache, slot[:ctx], rotate(k_all[:ctx]), rotate(v_all[:ctx]))
     common = CommonAttentionMetadata(
         query_start_loc=torch.tensor([0, q_len]), seq_lens=torch.tensor([n]), block_table=torch.tensor([table]),
         slot_mapping=slot[ctx:], num_decodes=0, num_decode_tokens=0, block_size=bs, query_lens_cpu=[q_len],
@@ -212,12 +228,89 @@ def test_prefill_chunk_gathers_dequantized_context(use_kernel):
     q = torch.randn(q_len, hq, d, generator=g)
     out = backend.forward(q, k_all[ctx:], v_all[ctx:], cache, backend.build_metadata(common), d ** -0.5)
     # the chunk's own K/V come back from the cache too (its gather spans the whole sequence)
-    k_ref, v_ref = dequantize(*quantize(k_all, torch.int8)), dequantize(*quantize(v_all, torch.int8))
+    kv = _dequantized_slots(cache)[slot]                              # [n, 2, Hkv, D] rotated
+    assert (rotate(kv[:, 0]) - k_all).abs().max() < 0.1 * k_all.abs().max()
     mask = torch.arange(n)[None, :] <= torch.arange(ctx, n)[:, None]
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k_ref.repeat_interleave(2, 1).transpose(0, 1), v_ref.repeat_interleave(2, 1).transpose(0, 1),
-        attn_mask=mask, scale=d ** -0.5).transpose(0, 1)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        rotate(q).transpose(0, 1), kv[:, 0].repeat_interleave(2, 1).transpose(0, 1),
+        kv[:, 1].repeat_interleave(2, 1).transpose(0, 1), attn_mask=mask, scale=d ** -0.5).transpose(0, 1)
+    torch.testing.assert_close(out, rotate(ref), atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- the write rule and the rotation
+
+
+def _write_in_steps(dtype, seed, write):
+    """One request's 6 blocks filled over random chunk sizes (1-39 tokens) of tokens whose magnitudes vary by
+    2^8, through `write(cache, slots, k, v)`; returns the cache and every token's full-precision K/V."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks, bs, h, d = 12, 16, 3, 64
+    cache = QuantizedKVCache(torch.zeros(n_blocks, bs, 2, h, d, dtype=dtype),
+                             torch.ones(n_blocks, 2, h, dtype=torch.bfloat16))
+    table = torch.randperm(n_blocks, generator=g)[:6]
+    pos, slots, kvs = 0, [], []
+    while pos < 6 * bs:
+        n = min(int(torch.randint(1, 40, (1,), generator=g)), 6 * bs - pos)
+        p = torch.arange(pos, pos + n)
+        s = table[p // bs] * bs + p % bs
+        k = torch.randn(n, h, d, generator=g) * torch.rand(n, h, 1, generator=g).mul(8).exp2()
+        v = torch.randn(n, h, d, generator=g) * torch.rand(n, h, 1, generator=g).mul(8).exp2()
+        write(cache, s, k, v)
+        slots.append(s)
+        kvs.append(torch.stack((k, v), 1))
+        pos += n
+    return cache, torch.cat(slots), torch.cat(kvs)
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
+@pytest.mark.parametrize("seed", range(4))
+def test_kernel_write_rule_matches_pytorch_byte_for_byte(dtype, seed):
+    """The C++ writer (cpu_paged) and write_block_scaled (torch_ref, the oracle) store the same bytes and scales
+    through chunk sizes that grow block scales mid-block, and the error stays within one step of the final
+    scale (the grown blocks' second rounding included)."""
+    kernel = _kernel_or_skip()
+    ref, slots, kv = _write_in_steps(dtype, seed, write_block_scaled)
+    got, _, _ = _write_in_steps(dtype, seed, lambda c, s, k, v: kernel.write_kv_quantized_(c.values, c.scales, s, k, v))
+    assert torch.equal(ref.values.view(torch.uint8), got.values.view(torch.uint8))
+    assert torch.equal(ref.scales, got.scales)
+    err = (gather_dequantized(ref, slots, torch.float32) - kv).abs()
+    step = ref.scales.float()[slots // 16]                                    # [T, 2, H]
+    bound = step[..., None] * (1.0 if dtype == torch.int8 else 0.0) + kv.abs() * (0 if dtype == torch.int8 else 2**-3)
+    assert (err <= bound + step[..., None] * 2**-9).all()
+
+
+def test_block_scale_grows_requantizes_and_resets():
+    """A later token that needs a larger scale grows its block's scale and requantizes the earlier codes to
+    it; a write at a block's offset 0 starts the block afresh (its old scale, however large, is dropped)."""
+    cache = QuantizedKVCache(torch.zeros(2, 4, 2, 1, 2, dtype=torch.int8), torch.ones(2, 2, 1, dtype=torch.bfloat16))
+    one = torch.tensor([[[127.0, -63.5]]]) / 128                             # [1, H=1, D=2]; scale 2^-7 exactly
+    write_block_scaled(cache, torch.tensor([0]), one, one)
+    assert cache.scales[0, 0, 0].item() == 2**-7
+    assert cache.values[0, 0, 0, 0].tolist() == [127, -64]                    # -63.5 rounds to even
+    write_block_scaled(cache, torch.tensor([1]), 2 * one, 2 * one)            # grows to 2^-6
+    assert cache.scales[0, 0, 0].item() == 2**-6
+    assert cache.values[0, 0, 0, 0].tolist() == [64, -32]                     # requantized: codes x old / new
+    assert cache.values[0, 1, 0, 0].tolist() == [127, -64]
+    write_block_scaled(cache, torch.tensor([2]), one / 4, one / 4)            # smaller: the scale stays
+    assert cache.scales[0, 0, 0].item() == 2**-6 and cache.values[0, 2, 0, 0].tolist() == [16, -8]
+    two = (one / 128).expand(2, -1, -1)
+    write_block_scaled(cache, torch.tensor([0, 1]), two, two)                 # offset 0: a new block
+    assert cache.scales[0, 0, 0].item() == 2**-14
+    assert cache.values[0, 0, 0, 0].tolist() == cache.values[0, 1, 0, 0].tolist() == [127, -64]
+    assert (cache.values[1] == 0).all()                                       # other blocks untouched
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 16, 7])
+def test_rotation_is_orthonormal_symmetric_and_spreads_an_outlier(head_dim):
+    r = rotation(head_dim)
+    torch.testing.assert_close(r @ r, torch.eye(head_dim), atol=1e-6, rtol=0)
+    assert torch.equal(r, r.T)
+    x = torch.zeros(head_dim)
+    x[3] = 1.0
+    n = head_dim & -head_dim                                                  # the Hadamard blocks' size
+    assert rotate(x).abs().max().item() == pytest.approx(n ** -0.5)          # one channel spread over n
+    q, k = torch.randn(5, head_dim), torch.randn(7, head_dim)
+    torch.testing.assert_close(rotate(q) @ rotate(k).T, q @ k.T, atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -292,15 +385,18 @@ def test_pool_holds_about_four_times_the_tokens_of_float32(tiny_llama):
         runner = engine.core.executor.worker.runner
         assert runner.kv_pool.num_bytes == spec.num_bytes <= 4 * 2**20   # scales counted, within budget
         blocks[dtype] = engine.block_pool.num_blocks
-    # tiny model: 2 layers, 2 KV heads, head_dim 16: 4 x 16 bytes vs 16 + 2 (the bf16 scale) per head
-    assert blocks["auto"] == 4 * 2**20 // (16 * 2 * 2 * 2 * 16 * 4)
-    assert blocks["int8"] == blocks["fp8_e4m3"] == 4 * 2**20 // (16 * 2 * 2 * 2 * (16 + 2))
+    # tiny model: 2 layers, 2 KV heads, head_dim 16, blocks of 16: per block, layer, head and K/V 16 x 16 x 4
+    # bytes vs 16 x 16 + 2 (one bf16 scale per block)
+    assert blocks["auto"] == 4 * 2**20 // (2 * 2 * 2 * 16 * 16 * 4)
+    assert blocks["int8"] == blocks["fp8_e4m3"] == 4 * 2**20 // (2 * 2 * 2 * (16 * 16 + 2))
     assert runner.kv_pool.scales.dtype == torch.bfloat16
-    # SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64): scales cost 2 bytes per 64
+    assert runner.kv_pool.scales.shape == (2, blocks["int8"], 2, 2)          # [layers, blocks, K/V, heads]
+    # SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64): 2 scale bytes per 16 x 64 code bytes
     fp32 = KVCacheSpec(30, 1, 16, 3, 64, torch.float32)
     int8 = KVCacheSpec(30, 1, 16, 3, 64, torch.int8, torch.bfloat16)
-    assert int8.bytes_per_token == 2 * 30 * 3 * (64 + 2)
-    assert round(fp32.bytes_per_token / int8.bytes_per_token, 2) == 3.88
+    assert int8.bytes_per_block == 2 * 30 * 3 * (16 * 64 + 2) and int8.bytes_per_token == 11_542.5
+    assert fp32.bytes_per_token == 46_080
+    assert round(fp32.bytes_per_token / int8.bytes_per_token, 2) == 3.99
 
 
 # --------------------------------------------------------------------------- bad values
@@ -347,7 +443,7 @@ def test_start_up_log_and_engine_info_name_the_cache_dtype(tiny_llama, caplog):
     tokens = engine.core.kv_spec.num_tokens
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache ("))
     assert line.startswith(f"KV cache (int8): {tokens // 16} blocks x 16 tokens = {tokens} tokens")
-    assert "(16 head_dim x 1 B + 2 B scale)" in line
+    assert "(16 head_dim x 1 B + 2 B scale per block of 16; 3.97x the tokens of a float32 cache)" in line
 
 
 def test_prometheus_shows_the_cache_dtype():
@@ -372,13 +468,18 @@ def test_kv_calc_counts_scales_and_shows_the_gain(capsys):
     for dtype in ("int8", "fp8_e4m3"):
         assert kv_calc.run(parser.parse_args([*shape, "--kv-cache-dtype", dtype, "--json"])) == 0
         report = json.loads(capsys.readouterr().out)
-        assert report["kv_dtype"] == dtype and report["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 2)
+        # one 2-byte scale per block of 16 tokens: 2 x 30 x 3 x (64 + 2 / 16) bytes per token
+        assert report["kv_dtype"] == dtype and report["kv_bytes_per_token"] == 11_542.5
         assert report["unquantized_kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
-        assert report["max_tokens_in_memory"] == 2 * 2**30 // 11_880
-        assert round(report["capacity_gain"], 2) == 3.88
+        assert report["max_tokens_in_memory"] == int(2 * 2**30 // 11_542.5)
+        assert round(report["capacity_gain"], 2) == 3.99
+    report = kv_calc._compute(parser.parse_args([*shape, "--kv-cache-dtype", "int8", "--block-size", "32"]))
+    assert report["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 2 / 32)
     assert kv_calc.run(parser.parse_args([*shape, "--kv-cache-dtype", "int8"])) == 0
     out = capsys.readouterr().out
-    assert "int8 (1 bytes) + a 2-byte scale per token and KV head" in out
-    assert "3.88x the tokens of a float32 cache" in out
+    assert "int8 (1 bytes) + a 2-byte scale per block of 16 tokens and KV head" in out
+    assert "3.99x the tokens of a float32 cache" in out
+    assert kv_calc.run(parser.parse_args([*shape, "--kv-cache-dtype", "int8", "--block-size", "0"])) == 2
+    assert "--block-size must be a positive integer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args([*shape, "--kv-cache-dtype", "int4"])

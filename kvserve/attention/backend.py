@@ -49,8 +49,8 @@ class AttentionBackend(Protocol):
         ...
 
     def kv_cache_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
-        """Shape of one layer's scale tensor for a quantized cache (kv_cache/quant.py): one scale per slot,
-        KV head and K/V, in the order of the KV tensor with head_dim dropped."""
+        """Shape of one layer's scale tensor for a quantized cache (kv_cache/quant.py): one scale per block,
+        K/V and KV head."""
         ...
 
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
@@ -59,6 +59,6 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: Any, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into kv_cache (quantizing them when it is a
-        QuantizedKVCache, whose reads dequantize)."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into kv_cache (rotated and quantized when it is
+        a QuantizedKVCache, whose reads dequantize: kv_cache/quant.py, kv_cache/rotation.py)."""
         ...

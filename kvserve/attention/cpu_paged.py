@@ -1,7 +1,8 @@
 """cpu_paged: every query token of the step through the C++ paged attention kernel (csrc/paged_attention.cpp):
 decodes, draft verification and prefill chunks alike read K/V in place through the block tables (no gathered
 copy of a chunk's cached context), one pass with an online softmax; an int8/fp8 cache is dequantized as it is
-read, with its scales, and a bfloat16 one widened. Sequences that share cached prefix blocks read them once for
+read, with its block scales, and a bfloat16 one widened (an int8/fp8 cache holds K/V rotated, kv_cache/rotation.py:
+q is rotated alike and the output rotated back). Sequences that share cached prefix blocks read them once for
 all their query rows (attention/cascade.py)."""
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cascade import SharedPrefixes, find_shared_prefixes
-from kvserve.attention.prefill import write_kv
 from kvserve.attention.torch_ref import kv_cache_scale_shape, kv_cache_shape
 from kvserve.kv_cache.quant import QuantizedKVCache
 
@@ -65,8 +65,13 @@ class CPUPagedBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
-        if isinstance(kv_cache, QuantizedKVCache):
-            write_kv(kv_cache, meta.slot_mapping, k, v)
+        q_dtype = q.dtype
+        rotated = isinstance(kv_cache, QuantizedKVCache)
+        if rotated:
+            rotate = self.kernel.hadamard   # rotation.rotate's R by a fast Walsh-Hadamard transform
+            q = rotate(q.float())
+            self.kernel.write_kv_quantized_(kv_cache.values, kv_cache.scales, meta.slot_mapping, rotate(k.float()),
+                                            rotate(v.float()))
             values, scales = kv_cache.values, kv_cache.scales
         else:
             self.kernel.write_kv_(kv_cache, meta.slot_mapping, k, v)
@@ -76,4 +81,6 @@ class CPUPagedBackend:
         # back (a copy of q, small beside the K/V it reads).
         out = self.kernel.paged_attention(q.float().contiguous(), values, meta.block_table, meta.seq_lens, scale,
                                           meta.query_start, scales, *((s.seqs, s.starts, s.blocks) if s else ()))
-        return out if out.dtype == q.dtype else out.to(q.dtype)
+        if rotated:
+            out = self.kernel.hadamard(out)
+        return out if out.dtype == q_dtype else out.to(q_dtype)

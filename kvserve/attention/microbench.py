@@ -5,7 +5,7 @@
 - decode: the C++ paged attention kernel vs the PyTorch path (gather every context, one batched SDPA call),
   SmolLM2's heads (9 query, 3 KV, head_dim 64), contexts on randomly placed blocks as in a busy pool, with the
   kernel's K/V read rate as a fraction of the stream bandwidth; then the same contexts quantized
-  (--kv-cache-dtype int8 and fp8_e4m3, scales included in the bytes counted);
+  (--kv-cache-dtype int8 and fp8_e4m3, one scale per block as the engine stores them, counted in the bytes);
 - shared prefix: decodes behind one cached prefix, read once per group (cascade) vs once per sequence;
 - prefill: a chunk after cached context through the kernel vs gather + torch's flash SDPA (the path before).
 `--baseline FILE.cpp` also times another build's `paged_decode_attention` on the same decodes (an older
@@ -26,7 +26,7 @@ from kvserve.attention.cascade import find_shared_prefixes
 from kvserve.attention.cpu_kernels import build_extension, load_paged_attention
 from kvserve.attention.prefill import gather
 from kvserve.attention.torch_ref import TorchRefBackend, _decode
-from kvserve.kv_cache.quant import quantize
+from kvserve.kv_cache.quant import quantize_blocks
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 # B=1: single-stream decode, whose blocks the kernel splits over the threads
@@ -77,9 +77,9 @@ def decode(batch: int, ctx: int, stream: float, baseline=None) -> str:
         ms = _time(lambda: kernel.paged_attention(q, kv, table, seq_lens, 0.125))
         line += f"   C++ kernel {ms:7.3f} ms ({gb / ms:.1f} GB/s of K/V, {gb / ms / stream:.0%} of stream)"
         for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
-            values, scales = quantize(kv, dtype)
+            values, scales = quantize_blocks(kv, dtype)                      # the engine's layout
             ms = _time(lambda: kernel.paged_attention(q, values, table, seq_lens, 0.125, None, scales))
-            scale_bytes = scales.element_size()
+            scale_bytes = scales.element_size() / BS
             line += f"   {name} {ms:6.2f} ms ({batch * ctx * 2 * HKV * (D + scale_bytes) / ms / 1e6:.1f} GB/s)"
     return line
 

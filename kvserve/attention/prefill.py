@@ -3,7 +3,8 @@ kernel), and the cache writes and gathers both backends share.
 
 A chunk that starts at position 0 attends to its own k/v directly (nothing to gather); a later chunk
 gathers its context from the cache. From a quantized cache the gather dequantizes, so a prompt's first
-chunk sees its own K/V in full precision and later chunks see what the cache stores, as decodes do.
+chunk sees its own K/V in full precision and later chunks see what the cache stores, as decodes do (a
+quantized cache's K/V, and so the q and the output here, are rotated: kv_cache/rotation.py).
 Chunks are cut into query tiles that each attend only up to their own last position, which skips most of
 the masked half of a long chunk.
 """
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.kv_cache.layout import slot_mapping
-from kvserve.kv_cache.quant import QuantizedKVCache, dequantize, quantize
+from kvserve.kv_cache.quant import QuantizedKVCache, gather_dequantized, write_block_scaled
 
 # Query rows per SDPA call within a prefill chunk (see the module docstring).
 _QUERY_TILE = 128
@@ -69,16 +70,12 @@ def build_prefills(common: CommonAttentionMetadata) -> list[PrefillChunk]:
 
 def write_kv(kv_cache: torch.Tensor | QuantizedKVCache, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> torch.Tensor | QuantizedKVCache:
-    """Write k/v [T, Hkv, D] at `slots` [T] (quantized first for a QuantizedKVCache); returns the cache as
-    [slots, 2, Hkv, D] (a QuantizedKVCache of such views, scales [slots, 2, Hkv])."""
-    kv = torch.stack((k, v), dim=1)                                          # [T, 2, Hkv, D]
+    """Write k/v [T, Hkv, D] at `slots` [T]; returns what `gather` reads: the cache as [slots, 2, Hkv, D], or
+    the QuantizedKVCache itself (written through its block scales: kv_cache/quant.py)."""
     if isinstance(kv_cache, QuantizedKVCache):
-        values, scales = quantize(kv, kv_cache.dtype)
-        flat = QuantizedKVCache(kv_cache.values.view(-1, *kv.shape[1:]), kv_cache.scales.view(-1, *kv.shape[1:3]))
-        # NOTE: through uint8 views: torch's CPU index_copy_ has no float8 kernel (a byte copy either way).
-        flat.values.view(torch.uint8).index_copy_(0, slots, values.view(torch.uint8))
-        flat.scales.index_copy_(0, slots, scales)
-        return flat
+        write_block_scaled(kv_cache, slots, k, v)
+        return kv_cache
+    kv = torch.stack((k, v), dim=1)                                          # [T, 2, Hkv, D]
     flat = kv_cache.view(-1, *kv.shape[1:])
     flat.index_copy_(0, slots, kv)
     return flat
@@ -91,12 +88,7 @@ def gather(flat: torch.Tensor | QuantizedKVCache, slots: torch.Tensor, dtype: to
     NOTE: index_select on a 2-D view copies whole rows; advanced indexing (flat[slots]) on the 4-D tensor
     was 5-10x slower on CPU and dominated decode steps."""
     if isinstance(flat, QuantizedKVCache):
-        values = _rows(flat.values, slots)                                   # [*slots.shape, 2, Hkv, D]
-        return dequantize(values, _rows(flat.scales, slots), dtype)
-    return _rows(flat, slots)
-
-
-def _rows(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return gather_dequantized(flat, slots, dtype)
     rows = flat.view(flat.shape[0], -1).index_select(0, slots.reshape(-1))
     return rows.view(*slots.shape, *flat.shape[1:])
 

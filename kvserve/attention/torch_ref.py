@@ -2,6 +2,7 @@
 
 Decodes (one query token each) are batched into one SDPA call over their contexts, gathered from the cache
 (dequantized, for an int8/fp8 cache) and padded to the longest; prefill chunks go through attention/prefill.py.
+An int8/fp8 cache holds K/V rotated (kv_cache/rotation.py): q is rotated alike and the output rotated back.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.prefill import PrefillChunk, build_prefills, gather, prefill_attention, write_kv
 from kvserve.kv_cache.layout import slot_mapping
 from kvserve.kv_cache.quant import QuantizedKVCache
+from kvserve.kv_cache.rotation import rotate
 
 
 @dataclass
@@ -31,7 +33,8 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
 
 def kv_cache_scale_shape(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
-    return (num_blocks, block_size, 2, num_kv_heads)
+    # NOTE: one scale per block, K/V and KV head (kv_cache/quant.py); block_size is part of the contract only
+    return (num_blocks, 2, num_kv_heads)
 
 
 class TorchRefBackend:
@@ -58,13 +61,16 @@ class TorchRefBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: TorchRefMetadata, scale: float) -> torch.Tensor:
+        rotated = isinstance(kv_cache, QuantizedKVCache)
+        if rotated:
+            q, k, v = rotate(q), rotate(k), rotate(v)
         flat = write_kv(kv_cache, meta.slot_mapping, k, v)                  # [slots, 2, Hkv, D]
         out = torch.empty_like(q)                                           # [T, Hq, D]
         nd = meta.num_decode_tokens
         if nd:
             out[:nd] = _decode(q[:nd], flat, meta, scale)
         prefill_attention(q, k, v, flat, meta.prefills, out, scale)
-        return out
+        return rotate(out) if rotated else out
 
 
 def _decode(q: torch.Tensor, flat: torch.Tensor | QuantizedKVCache, meta: TorchRefMetadata, scale: float) -> torch.Tensor:

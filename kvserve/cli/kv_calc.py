@@ -1,8 +1,9 @@
 """`kvserve kv-calc`: how much memory the KV cache of a model needs, and how many sequences fit.
 
 KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element; a quantized cache
-(`--kv-cache-dtype int8 | fp8_e4m3`, the engine's flag) adds one 2-byte (bfloat16) scale per KV head, and the report
-says how many times the tokens of the unquantized `--kv-dtype` it holds. Grouped-query
+(`--kv-cache-dtype int8 | fp8_e4m3`, the engine's flag) adds one 2-byte (bfloat16) scale per KV block of
+`--block-size` tokens and KV head (a fraction of a byte per token), and the report says how many times the tokens
+of the unquantized `--kv-dtype` it holds. Grouped-query
 attention shows up through `num_key_value_heads` (MHA when absent, MQA when 1); GPT-2/Falcon-style configs
 (`n_layer`, `n_head`, `n_embd`, `multi_query`, `num_kv_heads`/`n_head_kv`) are read too (kv_cache/sizing.py).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -32,7 +34,7 @@ __all__ = ["KV_DTYPE_BYTES", "add_arguments", "run", "kv_bytes_per_token", "load
 # Bytes per KV element; "auto" is resolved from the model config (see _resolve_kv_dtype).
 KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 # The engine's quantized caches (kv_cache/quant.py, which imports torch: not imported here): one byte per
-# element, one bfloat16 scale per token, KV head and K/V.
+# element, one bfloat16 scale per block, KV head and K/V.
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3")
 KV_SCALE_BYTES = 2
 # Spellings of torch dtypes that can appear in config.json's "torch_dtype" / "dtype".
@@ -144,7 +146,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", *QUANTIZED_KV_CACHE_DTYPES],
         help="the engine's --kv-cache-dtype: int8 or fp8_e4m3 size a quantized cache (1 byte per element plus "
-        f"a {KV_SCALE_BYTES}-byte scale per token and KV head, for K and V); default: auto, --kv-dtype's elements",
+        f"a {KV_SCALE_BYTES}-byte scale per block and KV head, for K and V); default: auto, --kv-dtype's elements",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=16,
+        help="tokens per KV block (the engine's flag): a quantized cache holds one scale per block (default: 16)",
     )
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1,
@@ -178,6 +184,8 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
     """The report as a dict; raises FileNotFoundError/ValueError on user errors."""
     if args.batch <= 0:
         raise ValueError(f"--batch must be a positive integer, got {args.batch}")
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
     if args.context is not None and args.context <= 0:
         raise ValueError(f"--context must be a positive integer, got {args.context}")
     memory_bytes = None
@@ -194,7 +202,8 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
     quantized = args.kv_cache_dtype != "auto"
     if quantized:
         unquantized_per_token = per_token
-        per_token = kv_bytes(num_layers, num_kv_heads, head_dim, 1, KV_SCALE_BYTES)
+        per_token = _per_token(kv_bytes(num_layers, num_kv_heads, head_dim * args.block_size, 1, KV_SCALE_BYTES),
+                               args.block_size)
     num_heads = None if first_key(config, NUM_HEADS_KEYS) is None else num_query_heads(config)
     tp = args.tensor_parallel_size
     whole_per_token = per_token
@@ -202,7 +211,7 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         if tp < 1 or (num_kv_heads % tp and tp % num_kv_heads):
             raise ValueError(f"--tensor-parallel-size {tp} can neither split nor replicate {num_kv_heads} KV heads "
                              f"(it must divide {num_kv_heads} or be a multiple of it)")
-        per_token = per_token * max(1, num_kv_heads // tp) // num_kv_heads
+        per_token = _per_token(per_token * max(1, num_kv_heads // tp), num_kv_heads)
 
     context = args.context
     if context is None:
@@ -211,7 +220,7 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(context, int) or context <= 0:
             context = None  # NOTE: no length to size a sequence by: the per-token figures still stand
 
-    per_sequence = per_token * context if context is not None else None
+    per_sequence = math.ceil(per_token * context) if context is not None else None
     report: dict[str, Any] = {
         "model": args.model,
         "num_layers": num_layers,
@@ -221,6 +230,7 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         "kv_dtype": args.kv_cache_dtype if quantized else kv_dtype,
         "kv_dtype_bytes": 1 if quantized else dtype_bytes,
         "kv_scale_bytes": KV_SCALE_BYTES if quantized else 0,
+        "block_size": args.block_size,
         "kv_bytes_per_token": per_token,
         "tensor_parallel_size": tp,
         "kv_heads_per_rank": max(1, num_kv_heads // tp),
@@ -237,11 +247,16 @@ def _compute(args: argparse.Namespace) -> dict[str, Any]:
         report["capacity_gain"] = unquantized_per_token / per_token
     if memory_bytes is not None:
         report["memory_bytes"] = memory_bytes
-        report["max_tokens_in_memory"] = memory_bytes // per_token
+        report["max_tokens_in_memory"] = int(memory_bytes // per_token)
         if per_sequence is not None:
             report["max_sequences_in_memory"] = memory_bytes // per_sequence
             report["batch_fits"] = per_sequence * args.batch <= memory_bytes
     return report
+
+
+def _per_token(total: int, count: int) -> int | float:
+    """total / count: an int when it divides (a quantized cache's scales are a fraction of a byte per token)."""
+    return total // count if total % count == 0 else total / count
 
 
 def _format_report(r: dict[str, Any]) -> str:
@@ -255,7 +270,8 @@ def _format_report(r: dict[str, Any]) -> str:
         f"model            {r['model'] or '(none: the shape from flags)'}",
         f"attention        {r['num_layers']} layers, {heads}, head_dim {r['head_dim']}",
         f"KV dtype         {r['kv_dtype']} ({r['kv_dtype_bytes']} bytes)" + (
-            f" + a {r['kv_scale_bytes']}-byte scale per token and KV head, for K and V" if r["kv_scale_bytes"] else ""),
+            f" + a {r['kv_scale_bytes']}-byte scale per block of {r['block_size']} tokens and KV head, for K and V"
+            if r["kv_scale_bytes"] else ""),
         f"KV per token     {r['kv_bytes_per_token']:,} bytes ({format_size(r['kv_bytes_per_token'])})",
     ]
     if r.get("tensor_parallel_size", 1) > 1:

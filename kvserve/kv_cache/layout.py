@@ -5,7 +5,7 @@ definition of a token's slot.
 
 The backend chooses the tensor's shape (`AttentionBackend.kv_cache_shape`); the spec carries what the
 shape is made of, the cache's dtype and, for a quantized cache (kv_cache/quant.py), the type of its scales:
-one per slot, KV head and K/V, in a tensor of their own beside the values
+one per block, KV head and K/V, in a tensor of their own beside the values
 (`AttentionBackend.kv_cache_scale_shape`).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ class KVCacheSpec:
     dtype: torch.dtype
     """The element type K/V are stored in."""
     scale_dtype: torch.dtype | None = None
-    """The scales' type for a quantized cache (int8/fp8: one per slot, KV head and K/V); None: the values are
+    """The scales' type for a quantized cache (int8/fp8: one per block, KV head and K/V); None: the values are
     stored as they are."""
 
     def __post_init__(self) -> None:
@@ -50,9 +50,16 @@ class KVCacheSpec:
         return torch.empty((), dtype=self.scale_dtype).element_size() if self.quantized else 0
 
     @property
-    def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x (head_dim x element size + scale size): scales included."""
-        return kv_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.element_size, self.scale_size)
+    def bytes_per_block(self) -> int:
+        """2 (K and V) x layers x kv_heads x (block_size x head_dim x element size + scale size): scales included."""
+        return kv_bytes(self.num_layers, self.num_kv_heads, self.head_dim * self.block_size, self.element_size,
+                        self.scale_size)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """A block's bytes shared by its tokens (a fraction for a quantized cache: its scales are per block)."""
+        per_block = self.bytes_per_block
+        return per_block // self.block_size if per_block % self.block_size == 0 else per_block / self.block_size
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +67,7 @@ class KVCacheSpec:
 
     @property
     def num_bytes(self) -> int:
-        return self.num_tokens * self.bytes_per_token
+        return self.num_blocks * self.bytes_per_block
 
 
 def slot_mapping(block_table, rows, positions, block_size: int):

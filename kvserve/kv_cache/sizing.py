@@ -85,5 +85,6 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
 
 def kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float, scale_bytes: int = 0) -> int:
     """The formula: K and V, per layer, per KV head, head_dim elements plus, for a quantized cache
-    (kv_cache/quant.py), the bytes of that head's one scale."""
+    (kv_cache/quant.py), the bytes of that head's one scale. A block's bytes are the same formula with
+    head_dim x block_size elements (a quantized cache's one scale per block)."""
     return int(2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes))

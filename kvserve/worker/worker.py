@@ -7,6 +7,7 @@ driver (rank 0) samples and proposes drafts: a draft model lives there alone, un
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -179,13 +180,19 @@ class Worker:
                                      spec.block_size, self.device)
             graphs.capture()
             self.runner.cuda_graphs = graphs
-        scales = f" + {spec.scale_size} B scale" if spec.quantized else ""
+        scales = ""
+        if spec.quantized:
+            # the capacity gained: tokens per byte against the same cache in the model's dtype
+            plain = dataclasses.replace(spec, dtype=self.config.model.dtype, scale_dtype=None)
+            scales = (f" + {spec.scale_size} B scale per block of {spec.block_size}; "
+                      f"{plain.bytes_per_block / spec.bytes_per_block:.2f}x the tokens of a "
+                      f"{dtype_name(plain.dtype)} cache")
         if self.shard.size > 1:
             logger.info("tensor parallel rank %d of %d: this rank's KV cache holds %d of the model's %d KV heads "
                         "(the figures below are this rank's)", self.shard.rank, self.shard.size, spec.num_kv_heads,
                         self.config.model.hf_config.num_key_value_heads)
         logger.info(
-            "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %d bytes/token "
+            "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %g bytes/token "
             "= 2 x %d layers x %d kv_heads x (%d head_dim x %d B%s); max concurrency at max_model_len %d: %.2fx",
             dtype_name(spec.dtype), spec.num_blocks, spec.block_size, spec.num_tokens, spec.num_bytes,
             spec.num_bytes / 2**30, spec.bytes_per_token, spec.num_layers, spec.num_kv_heads, spec.head_dim,

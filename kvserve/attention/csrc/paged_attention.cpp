@@ -20,8 +20,9 @@
 // o = o1 * exp(m1 - m) + o2 * exp(m2 - m), l likewise, m = max(m1, m2).
 //
 // Element types are a template parameter behind `to_float` (float32; bfloat16, widened without scales; int8 and fp8 e4m3 with one bfloat16 scale
-// per slot, KV head and K/V, kvserve/kv_cache/quant.py): a block's rows of one KV head are widened to float times
-// their scales into block-sized buffers that stay in L1, and the float code reads those. Another cache type is
+// per block, KV head and K/V as the engine lays them out, kvserve/kv_cache/quant.py, or one per slot): a block's
+// rows of one KV head are widened to float times their scales into block-sized buffers that stay in L1, and the
+// float code reads those. Another cache type is
 // one more `to_float` overload and one more case in `dispatch_dtype`.
 #include <torch/extension.h>
 
@@ -47,7 +48,7 @@ constexpr int64_t kPrefetchAhead = 1; // blocks
 
 struct Geometry {
   int64_t block_size, num_kv_heads, group, head_dim, max_blocks, slot_stride, block_stride;
-  int64_t scale_slot_stride, scale_block_stride;  // of a quantized cache's scales ([blocks, BS, 2, Hkv])
+  int64_t scale_slot_stride, scale_block_stride;  // of a quantized cache's scales (slot stride 0: one per block)
 };
 
 // fp8 e4m3fn, as its bit pattern (a distinct type so that overloading picks its conversion).
@@ -377,7 +378,8 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
       }
       if (next && kScaled<T> && hh == 0) {
         const char* ns = reinterpret_cast<const char*>(kv_scales + it.table[ahead] * g.scale_block_stride);
-        const int64_t scale_bytes = next_tokens * g.scale_slot_stride * static_cast<int64_t>(sizeof(Bf16));
+        const int64_t scale_bytes = std::max<int64_t>(next_tokens * g.scale_slot_stride, 2 * Hkv) *
+                                    static_cast<int64_t>(sizeof(Bf16));
         for (int64_t off = 0; off < scale_bytes; off += 64) __builtin_prefetch(ns + off);
       }
       const T* kraw = base + h * D;
@@ -639,7 +641,7 @@ void merge_splits(const Splits& sp, const Geometry& g, float* out) {
 }  // namespace
 
 // q [T, Hq, D] float32; kv [num_blocks, block_size, 2, Hkv, D] (float32, or int8/float8_e4m3fn with kv_scales
-// [num_blocks, block_size, 2, Hkv] bfloat16); block_table [B, max_blocks] int64; seq_lens [B] int64.
+// [num_blocks, 2, Hkv] bfloat16, one per block, or [num_blocks, block_size, 2, Hkv], one per slot); block_table [B, max_blocks] int64; seq_lens [B] int64.
 // query_start (optional, [B + 1] int64): sequence b has the query tokens q[query_start[b]:query_start[b+1]] at
 // consecutive positions ending at seq_lens[b] - 1; absent: one query token per sequence.
 // Shared prefixes (optional, all three or none): group c is the sequences
@@ -656,9 +658,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor b
   if (kv_scales.has_value()) {
     TORCH_CHECK(kv.scalar_type() == torch::kInt8 || kv.scalar_type() == at::kFloat8_e4m3fn,
                 "paged_attention: a cache with scales must be int8 or float8_e4m3fn");
-    TORCH_CHECK(kv_scales->is_contiguous() && kv_scales->scalar_type() == torch::kBFloat16 && kv_scales->dim() == 4 &&
-                    kv.dim() == 5 && kv_scales->sizes() == kv.sizes().slice(0, 4),
-                "paged_attention: kv_scales must be contiguous bfloat16 shaped as kv without head_dim");
+    const bool per_block = kv.dim() == 5 && kv_scales->dim() == 3 && kv_scales->size(0) == kv.size(0) &&
+                           kv_scales->size(1) == 2 && kv_scales->size(2) == kv.size(3);
+    TORCH_CHECK(kv_scales->is_contiguous() && kv_scales->scalar_type() == torch::kBFloat16 && kv.dim() == 5 &&
+                    (per_block || (kv_scales->dim() == 4 && kv_scales->sizes() == kv.sizes().slice(0, 4))),
+                "paged_attention: kv_scales must be contiguous bfloat16 shaped as kv without head_dim, or "
+                "[num_blocks, 2, Hkv] (one per block)");
     sp = static_cast<const Bf16*>(kv_scales->data_ptr());
   } else {
     TORCH_CHECK(kv.scalar_type() == torch::kFloat32 || kv.scalar_type() == torch::kBFloat16,
@@ -682,8 +687,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor b
   const int64_t BS = kv.size(1), Hkv = kv.size(3);
   TORCH_CHECK(kv.size(4) == D && Hq % Hkv == 0, "paged_attention: head shapes do not match");
   TORCH_CHECK(D <= 256 && BS <= 64, "paged_attention: head_dim above 256 or block_size above 64 is not supported");
-  const Geometry g{BS, Hkv, Hq / Hkv, D, block_table.size(1), 2 * Hkv * D, BS * 2 * Hkv * D, 2 * Hkv,
-                   BS * 2 * Hkv};
+  const bool scale_per_slot = kv_scales.has_value() && kv_scales->dim() == 4;
+  const Geometry g{BS, Hkv, Hq / Hkv, D, block_table.size(1), 2 * Hkv * D, BS * 2 * Hkv * D,
+                   scale_per_slot ? 2 * Hkv : 0, scale_per_slot ? BS * 2 * Hkv : 2 * Hkv};
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const int64_t* bt = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -777,9 +783,247 @@ void write_kv_(torch::Tensor kv, torch::Tensor slot_mapping, torch::Tensor k, to
   }
 }
 
+// The quantized cache's write rule (kvserve/kv_cache/quant.py, write_block_scaled: this must give the same
+// bytes). values [num_blocks, BS, 2, Hkv, D] int8 or float8_e4m3fn, scales [num_blocks, 2, Hkv] bfloat16; k and
+// v [T, Hkv, D] float32 (already rotated) written at slot_mapping [T]. Per (block, K/V, head): the write's tokens
+// take the scale max(old, theirs), or theirs alone when the write reaches the block's offset 0; a grown scale
+// requantizes the block's codes (codes * old / new).
+// NOTE: IEEE arithmetic here, not -ffast-math's: the codes must match the PyTorch rule bit for bit, and a
+// reciprocal in place of a division (or a contracted multiply-add) moves a code across a rounding boundary.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+namespace {
+
+float round_up_to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u = (u + 0xFFFFu) & ~0xFFFFu;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+template <typename T>
+struct Codes;
+template <>
+struct Codes<int8_t> {
+  static constexpr float kMax = 127.0f;
+  static float get(int8_t c) { return static_cast<float>(c); }
+  static int8_t put(float y) { return static_cast<int8_t>(std::nearbyint(std::min(std::max(y, -kMax), kMax))); }
+};
+template <>
+struct Codes<c10::Float8_e4m3fn> {
+  static constexpr float kMax = 448.0f;
+  static float get(c10::Float8_e4m3fn c) { return static_cast<float>(c); }
+  static c10::Float8_e4m3fn put(float y) { return c10::Float8_e4m3fn(std::min(std::max(y, -kMax), kMax)); }
+};
+
+// The row operations of the write, int8 in AVX-512 (IEEE division, round-half-even, clamp: the scalar rule's
+// results exactly), the rest through Codes<T>.
+inline float row_amax(const float* x, int64_t D) {
+  float amax = 0.0f;
+  int64_t d = 0;
+#ifdef __AVX512F__
+  __m512 m = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+  amax = _mm512_reduce_max_ps(m);
+#endif
+  for (; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  return amax;
+}
+
+#ifdef __AVX512F__
+inline void put_int8_lanes(__m512 y, int8_t* out) {
+  y = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(y)));
+}
+#endif
+
+template <typename T>
+void encode_row(const float* x, float scale, T* out, int64_t D) {
+  int64_t d = 0;
+#ifdef __AVX512F__
+  if constexpr (std::is_same<T, int8_t>::value) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; d + 16 <= D; d += 16) put_int8_lanes(_mm512_div_ps(_mm512_loadu_ps(x + d), s), out + d);
+  }
+#endif
+  for (; d < D; ++d) out[d] = Codes<T>::put(x[d] / scale);
+}
+
+template <typename T>
+void rescale_row(T* codes, float ratio, int64_t D) {
+  int64_t d = 0;
+#ifdef __AVX512F__
+  if constexpr (std::is_same<T, int8_t>::value) {
+    const __m512 r = _mm512_set1_ps(ratio);
+    for (; d + 16 <= D; d += 16) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d));
+      put_int8_lanes(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), r), codes + d);
+    }
+  }
+#endif
+  for (; d < D; ++d) codes[d] = Codes<T>::put(Codes<T>::get(codes[d]) * ratio);
+}
+
+template <typename T>
+void write_quantized(T* values, Bf16* scales, const int64_t* sm, int64_t T_, const float* k, const float* v,
+                     int64_t kstride, int64_t vstride, int64_t BS, int64_t Hkv, int64_t D) {
+  // the write's tokens grouped by block (a block's tokens are one request's, in order)
+  std::vector<int64_t> blocks;
+  std::vector<std::vector<int64_t>> tokens;
+  for (int64_t t = 0; t < T_; ++t) {
+    const int64_t b = sm[t] / BS;
+    const auto it = std::find(blocks.begin(), blocks.end(), b);
+    if (it == blocks.end()) {
+      blocks.push_back(b);
+      tokens.emplace_back(1, t);
+    } else {
+      tokens[it - blocks.begin()].push_back(t);
+    }
+  }
+  const int64_t U = static_cast<int64_t>(blocks.size());
+#pragma omp parallel for schedule(static) if (U > 1)
+  for (int64_t u = 0; u < U; ++u) {
+    const int64_t b = blocks[u];
+    bool reset = false;
+    for (const int64_t t : tokens[u]) reset |= sm[t] % BS == 0;
+    for (int64_t part = 0; part < 2; ++part) {
+      const float* src = part == 0 ? k : v;
+      const int64_t stride = part == 0 ? kstride : vstride;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        float amax = 0.0f;
+        for (const int64_t t : tokens[u]) amax = std::max(amax, row_amax(src + t * stride + h * D, D));
+        const float need = round_up_to_bf16(std::min(std::max(amax, 1e-30f), 3e38f) / Codes<T>::kMax);
+        Bf16& stored = scales[(b * 2 + part) * Hkv + h];
+        const float old = to_float(stored);
+        const float scale = reset ? need : std::max(old, need);
+        if (!reset && scale > old) {
+          const float ratio = old / scale;
+          for (int64_t s = 0; s < BS; ++s) rescale_row(values + (((b * BS + s) * 2 + part) * Hkv + h) * D, ratio, D);
+        }
+        uint32_t bits;
+        std::memcpy(&bits, &scale, sizeof bits);
+        stored.bits = static_cast<uint16_t>(bits >> 16);  // exact: both candidates are bf16 values
+        for (const int64_t t : tokens[u])
+          encode_row(src + t * stride + h * D, scale, values + ((sm[t] * 2 + part) * Hkv + h) * D, D);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void write_kv_quantized_(torch::Tensor values, torch::Tensor scales, torch::Tensor slot_mapping, torch::Tensor k,
+                         torch::Tensor v) {
+  TORCH_CHECK(values.dim() == 5 && values.is_contiguous() && values.size(2) == 2 &&
+                  (values.scalar_type() == torch::kInt8 || values.scalar_type() == at::kFloat8_e4m3fn),
+              "write_kv_quantized_: values must be a contiguous int8 or float8_e4m3fn [num_blocks, block_size, 2, "
+              "Hkv, D] tensor");
+  const int64_t N = values.size(0), BS = values.size(1), Hkv = values.size(3), D = values.size(4);
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kBFloat16 && scales.dim() == 3 &&
+                  scales.size(0) == N && scales.size(1) == 2 && scales.size(2) == Hkv,
+              "write_kv_quantized_: scales must be contiguous bfloat16 [num_blocks, 2, Hkv]");
+  const int64_t T = slot_mapping.size(0);
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.is_contiguous() && slot_mapping.scalar_type() == torch::kInt64,
+              "write_kv_quantized_: slot_mapping must be [T] int64");
+  for (const torch::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == Hkv && t->size(2) == D &&
+                    t->scalar_type() == torch::kFloat32 && t->stride(2) == 1 && t->stride(1) == D,
+                "write_kv_quantized_: k and v must be float32 [T, Hkv, D] with contiguous heads");
+  }
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sm[t] >= 0 && sm[t] < N * BS, "write_kv_quantized_: slot ", sm[t], " is outside the cache's ",
+                N * BS, " slots");
+  Bf16* sp = static_cast<Bf16*>(scales.data_ptr());
+  if (values.scalar_type() == torch::kInt8) {
+    write_quantized(values.data_ptr<int8_t>(), sp, sm, T, k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0),
+                    v.stride(0), BS, Hkv, D);
+  } else {
+    write_quantized(static_cast<c10::Float8_e4m3fn*>(values.data_ptr()), sp, sm, T, k.data_ptr<float>(),
+                    v.data_ptr<float>(), k.stride(0), v.stride(0), BS, Hkv, D);
+  }
+}
+#pragma GCC pop_options
+
+#ifdef __AVX512F__
+// One block of n (16..256, a power of two) floats: the butterflies between lanes 1, 2, 4 and 8 apart within each
+// vector (lane i takes x[i ^ L] + (+-1) x[i]: a permute and an exact multiply-add), then between whole vectors.
+inline void hadamard_lanes(const float* in, float* out, int64_t n, float norm) {
+  __m512 v[16];
+  const int64_t nv = n / 16;
+  for (int64_t i = 0; i < nv; ++i) v[i] = _mm512_loadu_ps(in + 16 * i);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int L = 1; L < 16; L <<= 1) {
+    const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(L));
+    const __mmask16 high = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(L));
+    const __m512 sign = _mm512_mask_blend_ps(high, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+    for (int64_t i = 0; i < nv; ++i) v[i] = _mm512_fmadd_ps(v[i], sign, _mm512_permutexvar_ps(partner, v[i]));
+  }
+  for (int64_t L = 1; L < nv; L <<= 1) {
+    for (int64_t i = 0; i < nv; i += 2 * L) {
+      for (int64_t j = i; j < i + L; ++j) {
+        const __m512 a = v[j], c = v[j + L];
+        v[j] = _mm512_add_ps(a, c);
+        v[j + L] = _mm512_sub_ps(a, c);
+      }
+    }
+  }
+  const __m512 s = _mm512_set1_ps(norm);
+  for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(v[i], s));
+}
+#endif
+
+// x [T, H, D] float32 (rows of D contiguous, heads D apart, tokens any stride: a view into the fused qkv)
+// -> x R, contiguous: R the orthonormal Hadamard matrix of kvserve/kv_cache/rotation.py (blocks of n, the largest
+// power of two dividing D, along the diagonal), by the fast Walsh-Hadamard transform (n log n adds per row
+// instead of a D x D matmul: a quantized cache rotates q, k, v and the output of every layer).
+torch::Tensor hadamard(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "hadamard: x must be float32 [T, H, D] with contiguous heads");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), n = D & -D;
+  auto out = torch::empty({T, H, D}, x.options());
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t s0 = x.stride(0);
+  const float norm = 1.0f / std::sqrt(static_cast<float>(n));
+#pragma omp parallel for schedule(static) if (T * H * D >= 16384)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      float* y = dst + (t * H + h) * D;
+      const float* in = src + t * s0 + h * D;
+#ifdef __AVX512F__
+      if (n >= 16 && n <= 256) {
+        for (int64_t b0 = 0; b0 < D; b0 += n) hadamard_lanes(in + b0, y + b0, n, norm);
+        continue;
+      }
+#endif
+      for (int64_t d = 0; d < D; ++d) y[d] = in[d] * norm;
+      for (int64_t b0 = 0; b0 < D; b0 += n) {
+        float* z = y + b0;
+        for (int64_t len = 1; len < n; len <<= 1) {
+          for (int64_t i = 0; i < n; i += 2 * len) {
+            for (int64_t j = i; j < i + len; ++j) {
+              const float a = z[j], c = z[j + len];
+              z[j] = a + c;
+              z[j + len] = a - c;
+            }
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "write a step's K/V rows into a float32 or bfloat16 paged cache (in place)",
         py::arg("kv"), py::arg("slot_mapping"), py::arg("k"), py::arg("v"));
+  m.def("hadamard", &hadamard, "x [T, H, D] float32 times the orthonormal Hadamard rotation over D", py::arg("x"));
+  m.def("write_kv_quantized_", &write_kv_quantized_,
+        "quantize a step's K/V rows into an int8 or fp8 paged cache with one scale per block (in place)",
+        py::arg("values"), py::arg("scales"), py::arg("slot_mapping"), py::arg("k"), py::arg("v"));
   m.def("paged_attention", &paged_attention,
         "paged attention, decode and prefill (CPU; float32 queries, a float32, int8 or fp8 e4m3 cache; optional "
         "shared-prefix groups)",
