@@ -300,6 +300,20 @@ def test_block_scale_grows_requantizes_and_resets():
     assert (cache.values[1] == 0).all()                                       # other blocks untouched
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 16, 8, 7])
+def test_kernel_hadamard_equals_the_rotation_on_strided_views(head_dim):
+    """cpu_paged rotates by the C++ fast Walsh-Hadamard transform, torch_ref by a matmul with R: the same R."""
+    kernel = _kernel_or_skip()
+    qkv = torch.randn(33, 15, head_dim)
+    q, k, _ = qkv.split_with_sizes([9, 3, 3], dim=1)                          # views: token stride 15 x D
+    for x in (q, k, torch.randn(4, 2, head_dim)):
+        got = kernel.hadamard(x)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, rotate(x), atol=2e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.hadamard(q.double())
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 80, 16, 7])
 def test_rotation_is_orthonormal_symmetric_and_spreads_an_outlier(head_dim):
     r = rotation(head_dim)
