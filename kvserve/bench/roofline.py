@@ -4,7 +4,9 @@ rate kvserve achieved on a workload (useful model FLOPs / wall time).
 Model FLOPs counted: 2 x non-embedding linear parameters per token processed (prompt + generated), the LM
 head (2 x hidden x vocab) per generated token, and attention (QK^T and PV: 4 x layers x heads x head_dim
 per (query, key) pair, causal). Recomputation after preemption and padding are not useful work and are not
-counted, so the fraction is an honest efficiency.
+counted, so the fraction is an honest efficiency; nor are the prompt tokens a request took from the prefix
+cache (`cached`: their linears and their own attention rows were never run), which would otherwise put a
+shared-prefix workload far above 100%.
 """
 from __future__ import annotations
 
@@ -21,14 +23,15 @@ def _layer_shapes(cfg) -> list[tuple[int, int]]:
     return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # (out, in): qkv, o, gate_up, down
 
 
-def workload_flops(cfg, requests: list[WorkloadRequest]) -> float:
+def workload_flops(cfg, requests: list[WorkloadRequest], cached: list[int] | None = None) -> float:
+    """Model FLOPs of `requests`; cached[i]: prompt tokens request i took from the prefix cache (default none)."""
     linear_params = cfg.num_hidden_layers * sum(o * i for o, i in _layer_shapes(cfg))
     attn_per_pair = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
     total = 0.0
-    for r in requests:
+    for r, h in zip(requests, cached or [0] * len(requests)):
         n = len(r.prompt_token_ids) + r.max_tokens
-        total += 2 * linear_params * n + 2 * cfg.hidden_size * cfg.vocab_size * r.max_tokens
-        total += attn_per_pair * n * (n + 1) / 2
+        total += 2 * linear_params * (n - h) + 2 * cfg.hidden_size * cfg.vocab_size * r.max_tokens
+        total += attn_per_pair * (n * (n + 1) - h * (h + 1)) / 2   # query positions h..n-1, each seeing j + 1 keys
     return total
 
 
