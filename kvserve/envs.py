@@ -56,3 +56,9 @@ def quant_fixed_point() -> bool:
     (layers/quant/kernels.py): on unless KVSERVE_QUANT_FIXED_POINT=0 (then exactly a float32 matmul on the
     dequantized weight, up to summation order)."""
     return _get("KVSERVE_QUANT_FIXED_POINT") != "0"
+
+
+def keep_freed_memory() -> bool:
+    """Freed host memory stays in the engine process for the next step (utils/host_malloc.py): on unless
+    KVSERVE_KEEP_FREED_MEMORY=0 (glibc's own thresholds: large blocks go back to the OS on free)."""
+    return _get("KVSERVE_KEEP_FREED_MEMORY") != "0"

@@ -35,6 +35,7 @@ from kvserve.scheduler.output import SchedulerOutput
 from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.proposer import Proposer
+from kvserve.utils.host_malloc import keep_freed_memory
 from kvserve.worker.cuda_graph import CudaGraphRunner
 from kvserve.worker.memory_plan import CudaMemoryPlan, plan_cuda_memory
 from kvserve.worker.model_runner import ModelRunner
@@ -51,6 +52,8 @@ class Worker:
         self.device = config.device.device
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()   # every step's activations reuse the last one's pages (utils/host_malloc.py)
         # NOTE: like vLLM, the engine seed seeds torch's default generator, which unseeded requests draw
         # from; seeded requests own their generators and never touch it.
         torch.manual_seed(config.seed)
