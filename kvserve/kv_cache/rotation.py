@@ -38,6 +38,8 @@ def rotation(head_dim: int, dtype: torch.dtype = torch.float32, device: str = "c
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., head_dim] -> x R, a new contiguous tensor (also the inverse rotation: R is its own inverse)."""
-    r = rotation(x.shape[-1], x.dtype, str(x.device))
-    return torch.matmul(x, r)
+    """x [..., head_dim] -> x R in x's dtype, a new contiguous tensor (also the inverse rotation: R is its own
+    inverse). Computed in float32: R's entries (1/sqrt(n)) are not all bf16 values, and a bf16 product would
+    round every element once more before it is quantized."""
+    r = rotation(x.shape[-1], torch.float32, str(x.device))
+    return torch.matmul(x.float(), r).to(x.dtype)
