@@ -375,7 +375,10 @@ def _roofline(report: dict, requests: dict[str, list[WorkloadRequest]]) -> dict 
     import torch
     torch.set_num_threads(report["settings"]["threads"])
     cfg = load_gguf_config(builtin_model_path())
-    machine = measure_matmul_rate(cfg)
+    # NOTE: the best of three: right after the last server's main process exits, the rest of its process group
+    # may still be winding down on the same two cores (a single measurement there has read half the rate,
+    # 214.8 GFLOP/s against 414 alone, and put kvserve at 112% of it)
+    machine = max(measure_matmul_rate(cfg) for _ in range(3))
     achieved = workload_flops(cfg, requests["mixed"]) / row["duration_s"] / 1e9
     return {"machine_gflops": machine, "kvserve_gflops": achieved, "fraction": achieved / machine}
 
