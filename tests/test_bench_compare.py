@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvserve.bench import compare, peer_weights
-from kvserve.bench.peers import PEERS, PeerEnv, RunSettings, driver_command, server_command
+from kvserve.bench.peers import PEERS, PeerEnv, PeerError, RunSettings, driver_command, server_command
 from kvserve.bench.workload import WorkloadRequest
 
 
@@ -93,6 +93,21 @@ def test_peer_command_lines_pin_threads_precision_and_budget(tmp_path):
     assert proc_env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and proc_env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     cmd, proc_env = server_command(PEERS["kvserve"], env, "", 8000, s)
     assert cmd[cmd.index("--num-threads") + 1] == "2" and "--model" not in cmd and proc_env["OMP_NUM_THREADS"] == "2"
+
+
+def test_baseline_peer_serves_another_checkout_with_the_same_flags(tmp_path):
+    env = PeerEnv("/venv/bin/python", "/venv/bin", str(tmp_path))
+    with pytest.raises(PeerError, match="--baseline-checkout"):
+        server_command(PEERS["kvserve-baseline"], env, "", 8000, RunSettings(threads=2))
+    with pytest.raises(PeerError, match="no kvserve package"):
+        server_command(PEERS["kvserve-baseline"], env, "", 8000, RunSettings(baseline_checkout=str(tmp_path)))
+    (tmp_path / "old" / "kvserve").mkdir(parents=True)
+    (tmp_path / "old" / "kvserve" / "__init__.py").write_text("")
+    s = RunSettings(threads=2, baseline_checkout=str(tmp_path / "old"))
+    cmd, proc_env = server_command(PEERS["kvserve-baseline"], env, "", 8000, s)
+    base_cmd, base_env = server_command(PEERS["kvserve"], env, "", 8000, s)
+    assert cmd == base_cmd and proc_env["PYTHONPATH"] == str(tmp_path / "old")
+    assert "PYTHONPATH" not in base_env or base_env["PYTHONPATH"] != str(tmp_path / "old")
 
 
 def _row(tps: float, **extra) -> dict:
@@ -179,7 +194,8 @@ def test_variant_rows_share_their_engine_and_change_one_setting(tmp_path):
     assert PEERS["openvino-default"].precision == "default" and driver_command(
         PEERS["openvino-int4"], env)[-1].endswith("ov_genai.py")
     assert expand_peers("quant,vllm")[0] == "kvserve" and expand_peers("quant,vllm")[-1] == "vllm"
-    assert expand_peers("fp32") == list(PRESETS["fp32"]) and len(expand_peers("all,kvserve")) == len(PEERS)
+    assert expand_peers("fp32") == list(PRESETS["fp32"]) and len(expand_peers("all,kvserve")) == len(
+        [p for p in PEERS.values() if not p.baseline])
     with pytest.raises(ValueError, match="unknown peer 'sglang'"):
         expand_peers("kvserve,sglang")
 

@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run every engine this many times per workload, interleaved (A, B, A, B, ...), and "
                              "report each engine's median run: on a machine whose speed drifts between minutes, "
                              "ratios of engines measured side by side (the runs' figures are listed too)")
+    parser.add_argument("--baseline-checkout", default="",
+                        help="another kvserve checkout (e.g. a git worktree of the old main) that the "
+                             "kvserve-baseline peer serves with the same flags: before vs after a change")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
     parser.add_argument("--setup-only", action="store_true", help="install peers and prepare weights, then stop")
     parser.add_argument("--json", dest="json_path", default=None,
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
                  (w.strip() for w in args.workloads.split(",") if w.strip())}
     requests = {name: load_workload(path) for name, path in workloads.items()}
     settings = RunSettings(threads=args.threads, max_num_batched_tokens=args.max_num_batched_tokens,
-                           kv_cache_gib=args.kv_cache_gib, kvserve_args=tuple(shlex.split(args.kvserve_args)))
+                           kv_cache_gib=args.kv_cache_gib, kvserve_args=tuple(shlex.split(args.kvserve_args)),
+                           baseline_checkout=args.baseline_checkout)
     log_dir = os.path.join(peers_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
 

@@ -39,6 +39,7 @@ class RunSettings:
     max_model_len: int = 4096
     max_num_seqs: int = 256
     kvserve_args: tuple[str, ...] = ()  # extra `kvserve serve` flags
+    baseline_checkout: str = ""         # kvserve-baseline: the other checkout whose `kvserve serve` it runs
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Peer:
     engine: str = ""                # the engine a variant runs (its venv, its command); "" = name
     dtype: str = "float32"          # kvserve's and vLLM's --dtype
     precision: str = "f32"          # OpenVINO: "f32" (compute and KV cache) or "default" (its own choice)
+    baseline: bool = False          # kvserve from RunSettings.baseline_checkout instead of this checkout
 
     @property
     def base(self) -> str:
@@ -77,6 +79,8 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     _KVSERVE,
     _variant(_KVSERVE, "kvserve-itl", extra_args=("--long-prefill-token-threshold", "16"),
              notes="the same with --long-prefill-token-threshold 16 (caps prompt chunks beside decodes)"),
+    _variant(_KVSERVE, "kvserve-baseline", baseline=True,
+             notes="`kvserve serve` of another checkout (--baseline-checkout), same flags: before vs after a change"),
     _variant(_KVSERVE, "kvserve-fixed", extra_args=("--target-itl-ms", "0"),
              notes="the same with --target-itl-ms 0 (the fixed step budget: no latency-aware chunk sizing)"),
     _VLLM,
@@ -119,7 +123,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
               "openvino-int8", "openvino-int4"),
     "default-precision": ("kvserve", "kvserve-bf16", "vllm", "vllm-bf16", "openvino", "openvino-default"),
 }
-PRESETS["all"] = tuple(PEERS)
+# NOTE: kvserve-baseline needs a second checkout, so "all" leaves it out.
+PRESETS["all"] = tuple(name for name, peer in PEERS.items() if not peer.baseline)
 
 
 def expand_peers(spec: str) -> list[str]:
@@ -239,6 +244,13 @@ def server_command(peer: Peer, env: PeerEnv, weights: str, port: int, s: RunSett
                *s.kvserve_args, *peer.extra_args]
         if weights:
             cmd += ["--model", weights]
+        if peer.baseline:
+            if not s.baseline_checkout:
+                raise PeerError(f"{peer.name} runs another checkout: give --baseline-checkout DIR")
+            checkout = os.path.abspath(s.baseline_checkout)
+            if not os.path.isfile(os.path.join(checkout, "kvserve", "__init__.py")):
+                raise PeerError(f"--baseline-checkout {s.baseline_checkout}: no kvserve package there")
+            proc_env["PYTHONPATH"] = checkout
         return cmd, proc_env
     if peer.base == "vllm":
         proc_env.update(VLLM_CPU_KVCACHE_SPACE=str(s.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{s.threads - 1}",
