@@ -1,4 +1,5 @@
-"""The README's ```python and ```bash blocks run as pasted. The convention (also the README's first lines):
+"""The ```python and ```bash blocks of the README and of every docs/features/*.md page run as pasted. The
+convention (also the README's first lines), the same for every page:
 
 - every ```python / ```bash block runs (```py, ```sh and ```shell too), each in a fresh process from the
   repository root: Python blocks with this interpreter, bash blocks with `bash -e -o pipefail`, where
@@ -13,10 +14,12 @@
 - other fences (```text, ```json, ``` alone) are not run.
 
 A block passes when it exits 0 and no JSON line it prints (SSE `data:` lines included) is an error body.
-New README sections need nothing here: their blocks run under the same rules.
+New README sections and new docs/features pages need nothing here: their blocks run under the same rules.
+Each test id names the file and the line of the block's fence, e.g. `docs/features/lora.md:python-line9`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -33,6 +36,9 @@ from test_server import start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+FEATURE_PAGES = sorted((REPO / "docs" / "features").glob("*.md"))
+PAGES = [README, *FEATURE_PAGES]
+README_MAX_LINES = 200
 LANGS = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 # placeholder path -> the fixture that makes what it stands for
 PLACEHOLDERS = {"path/to/hf-folder": "tiny_model_dir", "path/to/base": "tiny_model_dir",
@@ -51,6 +57,7 @@ class Block:
     line: int  # 1-based line of the opening fence
     text: str
     not_run: str | None  # the reason of a `not run:` mark, "" for a mark without one, None when unmarked
+    page: str = "README.md"  # the file it comes from, relative to the repository root
 
 
 def readme_blocks(markdown: str) -> list[Block]:
@@ -75,7 +82,14 @@ def readme_blocks(markdown: str) -> list[Block]:
     return blocks
 
 
-BLOCKS = [b for b in readme_blocks(README.read_text(encoding="utf-8")) if b.lang in LANGS]
+def page_blocks(path: Path) -> list[Block]:
+    """The runnable blocks of one page, each knowing its file."""
+    page = path.relative_to(REPO).as_posix()
+    return [dataclasses.replace(b, page=page) for b in readme_blocks(path.read_text(encoding="utf-8"))
+            if b.lang in LANGS]
+
+
+BLOCKS = [b for path in PAGES for b in page_blocks(path)]
 
 
 # ---- what blocks refer to -----------------------------------------------------------------------
@@ -130,7 +144,7 @@ def _resolve(block: Block, request) -> str:
     found = sorted(set(_PLACEHOLDER.findall(text)), key=len, reverse=True)
     unknown = [p for p in found if p not in PLACEHOLDERS]
     if unknown:
-        pytest.fail(f"README line {block.line}: placeholder(s) {unknown} are not in tests/test_readme.py's "
+        pytest.fail(f"{block.page} line {block.line}: placeholder(s) {unknown} are not in tests/test_readme.py's "
                     f"PLACEHOLDERS; add them there, or mark the block <!-- not run: REASON -->")
     for placeholder in found:
         text = text.replace(placeholder, request.getfixturevalue(PLACEHOLDERS[placeholder]))
@@ -155,12 +169,12 @@ def _error_bodies(output: str) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.lang}-line{b.line}" for b in BLOCKS])
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.page}:{b.lang}-line{b.line}" for b in BLOCKS])
 def test_readme_block_runs_as_pasted(block: Block, request, shell_env, tmp_path):
     if block.not_run is not None:
         if not block.not_run:
-            pytest.fail(f"README line {block.line}: a `not run:` mark needs a reason")
-        pytest.skip(f"README: not run: {block.not_run}")
+            pytest.fail(f"{block.page} line {block.line}: a `not run:` mark needs a reason")
+        pytest.skip(f"{block.page}: not run: {block.not_run}")
     text = _resolve(block, request)
     if LANGS[block.lang] == "python":
         script = tmp_path / "block.py"
@@ -171,7 +185,7 @@ def test_readme_block_runs_as_pasted(block: Block, request, shell_env, tmp_path)
         script.write_text(text)
         cmd = ["bash", "-e", "-o", "pipefail", str(script)]
     proc = subprocess.run(cmd, cwd=REPO, env=shell_env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-    report = f"README line {block.line} ({block.lang}):\n{text}\n--- stdout:\n{proc.stdout}\n--- stderr:\n{proc.stderr}"
+    report = f"{block.page} line {block.line} ({block.lang}):\n{text}\n--- stdout:\n{proc.stdout}\n--- stderr:\n{proc.stderr}"
     assert proc.returncode == 0, report
     assert not _error_bodies(proc.stdout), report
 
@@ -193,3 +207,11 @@ def test_the_convention_is_stated_and_read():
         "path/to/base", "/path/to/sql-lora"]
     assert _error_bodies('{"id": 1}\ndata: {"error": {"message": "bad"}}\ndata: [DONE]') == [
         '{"error": {"message": "bad"}}']
+
+
+def test_readme_is_short_and_links_every_feature_page():
+    markdown = README.read_text(encoding="utf-8")
+    assert len(markdown.splitlines()) <= README_MAX_LINES
+    assert FEATURE_PAGES, "docs/features/ has no pages"
+    unlinked = [p.name for p in FEATURE_PAGES if f"docs/features/{p.name}" not in markdown]
+    assert not unlinked, f"feature pages the README does not link: {unlinked}"

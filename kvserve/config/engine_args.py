@@ -72,7 +72,7 @@ class EngineArgs:
         "help": "KV-cache pool size on CPU, e.g. 2GiB or 512MiB"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV-cache element type: auto (the model's dtype), int8 or fp8_e4m3 (fp8: vLLM's alias; one byte per element "
-                "plus a bfloat16 scale per token and KV head for K and for V: ~4x the tokens of a float32 "
+                "plus a bfloat16 scale per block and KV head for K and for V: ~4x the tokens of a float32 "
                 "cache in the same --kv-cache-memory)",
         "choices": KV_CACHE_DTYPES})
     gpu_memory_utilization: float = field(default=0.9, metadata={
