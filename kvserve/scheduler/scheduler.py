@@ -119,10 +119,11 @@ class Scheduler:
         self.order.after_admission(self.waiting, admitted)
         self.waiting.extendleft(reversed(held))
         decodes_first(scheduled)
+        # NOTE: before the diff: a draft model's lookahead slots are blocks the worker must hear of now.
+        to_propose = {} if self.spec_policy is None else spec.drafts_to_propose(
+            scheduled, self.spec_policy, cfg.max_model_len, self.kv if self.spec_lookahead else None)
         out = self.worker_view.build(scheduled, preempted, self.kv)
-        if self.spec_policy is not None:
-            out.num_draft_tokens_to_propose = spec.drafts_to_propose(
-                scheduled, self.spec_policy, cfg.max_model_len, self.kv if self.spec_lookahead else None)
+        out.num_draft_tokens_to_propose = to_propose
         if self.structured is not None:
             add_grammar_bitmask(out, scheduled, self.structured)
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
