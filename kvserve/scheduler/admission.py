@@ -13,7 +13,8 @@ from kvserve.structured_output.manager import StructuredOutputManager
 @dataclass
 class AdmissionGates:
     max_loras: int | None = None
-    """Most distinct LoRA adapters among running requests; None: no limit."""
+    """Most distinct LoRA adapters among running requests (so in any step); None: no limit (LoRA off: the
+    front end admits no adapter requests then)."""
     wait_for: dict[str, Request] = field(default_factory=dict)
     """Request id -> sibling whose prompt KV it will reuse (it is not admitted before that prompt is computed)."""
 

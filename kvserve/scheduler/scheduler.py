@@ -19,10 +19,10 @@ from kvserve.scheduler import spec
 from kvserve.scheduler.admission import (AdmissionGates, allocate_for_admission, any_compiling, hold_back_compiling,
                                          running_loras)
 from kvserve.scheduler.chunking import ChunkSizer, observe_step_cost
+from kvserve.scheduler.core_output import core_output
 from kvserve.scheduler.diff import WorkerView, decodes_first
 from kvserve.scheduler.grammar import add_grammar_bitmask, advance_grammar, attach_grammar, valid_drafts
 from kvserve.scheduler.output import SchedulerOutput
-from kvserve.scheduler.outputs import core_output
 from kvserve.scheduler.policy import WaitingOrder
 from kvserve.scheduler.stats import SchedulerStats
 from kvserve.scheduler.step_cost import OnlineStepCost, StepCost
@@ -47,8 +47,7 @@ class Scheduler:
         self.spec_lookahead = spec_lookahead
         """The proposer writes K/V at the drafts' positions (a draft model): allocate slots for them."""
         self.gates = AdmissionGates(max_loras)
-        """LoRA slots (max_loras: None when LoRA is off; the front end admits no adapter requests then) and
-        siblings' waits."""
+        """Admission gates: LoRA slots (max_loras) and siblings' waits."""
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []        # in admission order

@@ -8,7 +8,7 @@ import pytest
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.grammar import advance_grammar, attach_grammar, valid_drafts
-from kvserve.scheduler.outputs import core_output
+from kvserve.scheduler.core_output import core_output
 from kvserve.scheduler.stop import append_until_stop, stop_status
 
 EOS = 2
