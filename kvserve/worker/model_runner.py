@@ -160,6 +160,7 @@ class ModelRunner:
             batch.num_computed_tokens[row] = computed
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The step's model inputs (worker/step_inputs.py), after update_states applied the diff."""
         return build_step_inputs(self.batch, out, self.spec.block_size, self.device)
 
     # ---- prompt logprobs ------------------------------------------------------------------------
