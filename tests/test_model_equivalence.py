@@ -70,7 +70,7 @@ def _forward(engine: Engine, entries) -> torch.Tensor:
         else:
             cached.req_ids.append(r.request_id)
             cached.resumed_from_preemption.append(False)
-            cached.new_block_ids.append(block_ids[len(known.block_ids):])
+            cached.new_block_ids.append(block_ids[runner.batch.num_blocks[runner.batch.index[r.request_id]]:])
             cached.num_computed_tokens.append(r.num_computed_tokens)
     out = SchedulerOutput(new, cached, {r.request_id: n for r, n in entries}, sum(n for _, n in entries))
     runner.update_states(out)

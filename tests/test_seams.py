@@ -102,15 +102,15 @@ def test_update_rolls_back_rejected_drafts_and_caches_only_final_tokens():
 
 
 # ---- the input batch -------------------------------------------------------------------------
-def _state(rid: str, n: int, blocks: list[int]) -> CachedRequestState:
+def _state(rid: str, n: int) -> CachedRequestState:
     return CachedRequestState(rid, list(range(100 * n, 100 * n + n)), SamplingParams(temperature=0.5 + n / 10), (),
-                              None, blocks, 0)
+                              None, 0)
 
 
 def test_input_batch_keeps_rows_dense_and_intact():
     batch = InputBatch(max_num_reqs=4, max_model_len=64, max_num_blocks_per_req=8)
     for rid, n, blocks in (("a", 3, [1]), ("b", 5, [2, 3]), ("c", 7, [4, 5, 6])):
-        batch.add(_state(rid, n, blocks))
+        batch.add(_state(rid, n), blocks)
     batch.remove("a")  # the last row ("c") moves into row 0
     assert batch.req_ids == ["c", "b"] and batch.index == {"c": 0, "b": 1}
     assert batch.token_ids[0, :7].tolist() == list(range(700, 707)) and batch.num_tokens[0] == 7

@@ -247,7 +247,7 @@ def test_sampled_tokens_follow_the_target_distribution_and_a_biased_rule_fails(t
 
     def histogram(rule=None):
         if rule is not None:
-            monkeypatch.setattr("kvserve.worker.model_runner.accept_prefix", rule)
+            monkeypatch.setattr("kvserve.worker.sampling.accept_prefix", rule)
         engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=512, max_num_seqs=256,
                                    max_num_batched_tokens=2048, enable_prefix_caching=False,
                                    speculative_config=dict(NGRAM, num_speculative_tokens=2)))

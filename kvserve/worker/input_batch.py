@@ -30,8 +30,9 @@ class CachedRequestState:
     eos_token_ids: tuple[int, ...]
     generator: torch.Generator | None
     """Owned by the request and advanced in place, so a seed gives the same tokens whatever the batch."""
-    block_ids: list[int]
     num_computed_tokens: int
+    """NOTE: no block ids here: the batch's block table is their one copy (a resumed request brings a new
+    table in the diff)."""
     output_token_ids: list[int] = field(default_factory=list)
     num_draft_computed: int = 0
     """Speculative draft model: leading tokens whose K/V the draft has computed (0 after a preemption)."""
@@ -80,8 +81,8 @@ class InputBatch:
         return len(self.req_ids)
 
     # ---- rows in and out ----------------------------------------------------------------------
-    def add(self, state: CachedRequestState) -> int:
-        """Give the request a row (its tokens, blocks and sampling values are copied in)."""
+    def add(self, state: CachedRequestState, block_ids: list[int]) -> int:
+        """Give the request a row (its tokens, sampling values and its block table `block_ids` are copied in)."""
         row = len(self.req_ids)
         if row >= self.max_num_reqs:
             raise RuntimeError(f"input batch full ({self.max_num_reqs} rows)")
@@ -92,7 +93,7 @@ class InputBatch:
         self.token_ids[row, :len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = state.num_computed_tokens
-        self.set_blocks(row, state.block_ids)
+        self.set_blocks(row, block_ids)
         p = state.sampling_params
         self.temperature[row], self.top_k[row] = p.temperature, p.effective_top_k
         self.top_p[row], self.min_p[row] = p.top_p, p.min_p

@@ -6,48 +6,25 @@ ModelRunnerOutput, which the scheduler applies in `update`.
 """
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvserve.attention.backend import AttentionBackend, CommonAttentionMetadata
-from kvserve.kv_cache.layout import KVCacheSpec, slot_mapping
+from kvserve.attention.backend import AttentionBackend
+from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.pool import KVPool
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.sample.metadata import GrammarBitmask
 from kvserve.sample.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
-from kvserve.sample.rejection_sampler import accept_prefix, rewind_generator
 from kvserve.sample.sampler import Sampler
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.worker.cuda_graph import CudaGraphRunner
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
 from kvserve.worker.runner_output import ModelRunnerOutput
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInputs:
-    """One step's flattened batch (decodes first)."""
-
-    input_ids: torch.Tensor          # [T] int64
-    positions: torch.Tensor          # [T] int64
-    attn: CommonAttentionMetadata
-    logits_indices: torch.Tensor     # [N] int64: rows of the hidden states that sample
-    sample_rows: np.ndarray          # [N] batch row of each logits row
-    sample_req_ids: list[str]        # [S] the sampling requests, in logits order
-    num_logits: np.ndarray           # [S] logits rows per sampling request: 1 + its drafts
-    drafts: list[list[int]]          # [S] the drafts each sampling request verifies (most have none)
-    token_lora_ids: np.ndarray       # [T] each token's LoRA adapter id (0: the base model)
-    rows: np.ndarray                 # [B] batch row of each request, in step order
-    query_starts: np.ndarray         # [B] index in [T] of each request's first token
-    grammar: GrammarBitmask | None = None
-    """Structured outputs: allowed tokens per logits row of the constrained requests."""
+from kvserve.worker.sampling import sample_step
+from kvserve.worker.step_inputs import StepInputs, build_step_inputs
 
 
 class ModelRunner:
@@ -104,7 +81,7 @@ class ModelRunner:
         self.forward_s += time.perf_counter() - start
         if not self.samples:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-        result = self.sample(logits, inputs)
+        result = sample_step(self.sampler, self.batch, logits, inputs, self.vocab_size, self.device)
         result.prompt_logprobs = prompt_logprobs
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             row = self.batch.index[req_id]
@@ -158,11 +135,12 @@ class ModelRunner:
         for new in out.scheduled_new_reqs:
             seed = new.sampling_params.seed
             generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
-            state = CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_ids,
-                                       generator, list(new.block_ids), new.num_computed_tokens,
+            state = CachedRequestState(req_id=new.req_id, prompt_token_ids=new.prompt_token_ids,
+                                       sampling_params=new.sampling_params, eos_token_ids=new.eos_token_ids,
+                                       generator=generator, num_computed_tokens=new.num_computed_tokens,
                                        lora_request=new.lora_request)
             self.requests[new.req_id] = state
-            batch.add(state)
+            batch.add(state, new.block_ids)
             if new.sampling_params.prompt_logprobs is not None and len(new.prompt_token_ids) > 1:
                 self.prompt_logprob_req_ids.add(new.req_id)
         cached = out.scheduled_cached_reqs
@@ -171,82 +149,19 @@ class ModelRunner:
             state = self.requests[req_id]
             state.num_computed_tokens = computed
             if resumed:
-                state.block_ids = list(new_blocks)
                 state.num_draft_computed = 0  # new blocks: the draft's K/V went with the old ones
-                batch.add(state)
+                batch.add(state, new_blocks)
                 continue
             row = batch.index[req_id]
             kept = cached.num_kept_blocks.get(req_id)
             if kept is not None:  # rejected drafts gave blocks back
-                del state.block_ids[kept:]
                 batch.num_blocks[row] = kept
-            state.block_ids.extend(new_blocks)
             batch.append_blocks(row, new_blocks)
             batch.num_computed_tokens[row] = computed
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        batch, bs = self.batch, self.spec.block_size
-        spec = out.scheduled_spec_decode_tokens
-        req_ids = list(out.num_scheduled_tokens)
-        q_lens = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))   # [B]
-        num_drafts = np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64,
-                                 count=len(req_ids)) if spec else np.zeros(len(req_ids), dtype=np.int64)
-        # decodes first (the backends' contract); a request verifying drafts is a run of decodes
-        order = np.argsort((q_lens != 1) & (num_drafts == 0), kind="stable")
-        req_ids = [req_ids[i] for i in order]
-        q_lens, num_drafts = q_lens[order], num_drafts[order]
-        rows = np.fromiter((batch.index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))      # [B]
-        for i in np.flatnonzero(num_drafts):  # drafts sit after the request's tokens, uncounted
-            n = batch.num_tokens[rows[i]]
-            batch.token_ids[rows[i], n:n + num_drafts[i]] = spec[req_ids[i]]
-        computed = batch.num_computed_tokens[rows]                                                      # [B]
-        cu = np.cumsum(q_lens)
-        num_tokens = int(cu[-1])
-        req_idx = np.repeat(np.arange(len(rows)), q_lens)                                               # [T]
-        positions = computed[req_idx] + np.arange(num_tokens) - (cu - q_lens)[req_idx]                  # [T]
-        token_rows = rows[req_idx]
-        input_ids = batch.token_ids[token_rows, positions]                                             # [T]
-        slots = slot_mapping(batch.block_table, token_rows, positions, bs)                             # [T]
-        seq_lens = computed + q_lens                                                                    # [B]
-        samples = seq_lens >= batch.num_tokens[rows]  # the step reaches the request's newest token
-        if num_drafts.any():
-            # Each scored draft position is a decode of its own (query length 1, context up to itself), so
-            # verification runs through the decode kernel: the attention batch has one row per such token.
-            spec_tok = num_drafts[req_idx] > 0                                                          # [T]
-            starts = np.flatnonzero(np.concatenate(([True], spec_tok[1:] | spec_tok[:-1]
-                                                    | (req_idx[1:] != req_idx[:-1]))))
-            attn_req = req_idx[starts]                                                                  # [A]
-            attn_q = np.diff(np.append(starts, num_tokens))                                            # [A]
-            attn_seq = positions[starts] + attn_q                                                       # [A]
-            attn_rows = rows[attn_req]
-        else:
-            attn_q, attn_seq, attn_rows = q_lens, seq_lens, rows
-        attn_cu = np.cumsum(attn_q)
-        max_blocks = int(-(-attn_seq.max() // bs))
-        num_decodes = int(np.count_nonzero(attn_q == 1))
-        dev = self.device
-        groups = None
-        if num_decodes and num_drafts.any():  # which decode rows are one request's consecutive tokens
-            dec = attn_req[:num_decodes]
-            firsts = np.flatnonzero(np.concatenate(([True], dec[1:] != dec[:-1])))
-            groups = torch.from_numpy(np.append(firsts, num_decodes)).to(dev)
-        attn = CommonAttentionMetadata(
-            query_start_loc=torch.from_numpy(np.concatenate(([0], attn_cu))).to(dev),
-            seq_lens=torch.from_numpy(attn_seq).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[attn_rows, :max_blocks])).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev), num_decodes=num_decodes, num_decode_tokens=num_decodes,
-            block_size=bs, query_lens_cpu=attn_q.tolist(), seq_lens_cpu=attn_seq.tolist(), decode_groups=groups)
-        sampling = np.flatnonzero(samples)                                                              # [S]
-        num_logits = num_drafts[sampling] + 1                                                           # [S]
-        ends = np.repeat(cu[sampling], num_logits)
-        within = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
-        logits_indices = ends - np.repeat(num_logits, num_logits) + within                              # [N]
-        sample_ids = [req_ids[i] for i in sampling]
-        return StepInputs(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), attn,
-                          torch.from_numpy(logits_indices).to(dev), np.repeat(rows[sampling], num_logits),
-                          sample_ids, num_logits, [spec.get(r, []) for r in sample_ids] if spec else
-                          [[] for _ in sample_ids], batch.lora_int_id[token_rows], rows, cu - q_lens,
-                          _grammar_rows(out, sample_ids, num_logits) if out.grammar_bitmask is not None else None)
+        """The step's model inputs (worker/step_inputs.py), after update_states applied the diff."""
+        return build_step_inputs(self.batch, out, self.spec.block_size, self.device)
 
     # ---- prompt logprobs ------------------------------------------------------------------------
     def prompt_logprobs(self, out: SchedulerOutput, inputs: StepInputs,
@@ -294,89 +209,3 @@ class ModelRunner:
                 self.prompt_logprob_req_ids.discard(req_id)
             lo = hi
         return chunks
-
-    # ---- sampling -------------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
-        """Sample every logits row in one go, then keep each request's accepted drafts (see
-        sample/rejection_sampler.py). If the batch raises, each request is sampled alone so that the requests
-        that raise fail alone (their ids land in `errors`) and every other request still gets its tokens.
-
-        NOTE: seeded generators are restored before the retry, so a seeded request's tokens are the same
-        whether or not a batch mate failed."""
-        rows, ids, counts = inputs.sample_rows, inputs.sample_req_ids, inputs.num_logits
-        offsets = np.concatenate(([0], np.cumsum(counts)))
-        prefixes = _draft_prefixes(inputs.drafts)
-        states = [self.batch.states[self.batch.index[r]] for r in ids]
-        saved = {i: s.generator.get_state() for i, s in enumerate(states) if s.generator is not None}
-        try:
-            meta = self.batch.sampling_metadata(rows, self.vocab_size, logits.device, prefixes, inputs.grammar)
-            result = self.sampler(logits, meta)
-        except Exception:
-            logger.exception("sampling a batch of %d failed; sampling its requests one by one", len(ids))
-        else:
-            drew = {i for i in saved if int(offsets[i]) in meta.generators}
-            return self._accept(ids, inputs.drafts, offsets, result.sampled_token_ids, result.logprobs, states,
-                                saved, drew)
-        out, logprobs = ModelRunnerOutput(), []
-        for i, req_id in enumerate(ids):
-            lo, hi = int(offsets[i]), int(offsets[i + 1])
-            if i in saved:
-                states[i].generator.set_state(saved[i])
-            try:
-                meta = self.batch.sampling_metadata(rows[lo:hi], self.vocab_size, logits.device,
-                                                    prefixes[lo:hi] if prefixes else None,
-                                                    inputs.grammar.select(lo, hi) if inputs.grammar else None)
-                one = self.sampler(logits[lo:hi], meta)
-            except Exception as e:
-                out.errors[req_id] = f"sampling failed: {type(e).__name__}: {e}"
-                continue
-            part = self._accept([req_id], [inputs.drafts[i]], np.array([0, hi - lo]), one.sampled_token_ids,
-                                one.logprobs, [states[i]], {0: saved[i]} if i in saved else {},
-                                {0} if i in saved and 0 in meta.generators else set())
-            out.req_ids += part.req_ids
-            out.sampled_token_ids += part.sampled_token_ids
-            logprobs.append(part.logprobs[0] if part.logprobs else None)
-        if any(lp is not None for lp in logprobs):
-            out.logprobs = logprobs
-        return out
-
-    def _accept(self, ids: list[str], drafts: list[list[int]], offsets: np.ndarray, tokens: list[int],
-                logprobs: list, states: list[CachedRequestState], saved: dict[int, torch.Tensor],
-                drew: set[int]) -> ModelRunnerOutput:
-        """Per request: its samples at the scored positions -> the tokens it gets."""
-        out_tokens, out_logprobs = [], []
-        for i, draft in enumerate(drafts):
-            lo, hi = int(offsets[i]), int(offsets[i + 1])
-            n = accept_prefix(tokens[lo:hi], draft) + 1 if draft else 1
-            out_tokens.append(tokens[lo:lo + n])
-            out_logprobs.append(None if logprobs[lo] is None else logprobs[lo:lo + n])
-            if i in drew and lo + n < hi:  # positions after the first rejection give their draws back
-                rewind_generator(states[i].generator, saved[i], n, self.vocab_size, self.device)
-        wanted = any(lp is not None for lp in out_logprobs)
-        return ModelRunnerOutput(list(ids), out_tokens, out_logprobs if wanted else None)
-
-
-def _grammar_rows(out: SchedulerOutput, sample_ids: list[str], num_logits: np.ndarray) -> GrammarBitmask | None:
-    """The scheduler's bitmask rows (one per scored position of each constrained request) laid out as the
-    logits rows: unconstrained rows allow everything and are left out of row_idx."""
-    first = out.structured_output_request_ids
-    starts = np.concatenate(([0], np.cumsum(num_logits)))
-    dst, src = [], []
-    for i, req_id in enumerate(sample_ids):
-        row = first.get(req_id)
-        if row is not None:
-            n = int(num_logits[i])
-            dst.extend(range(int(starts[i]), int(starts[i]) + n))
-            src.extend(range(row, row + n))
-    if not dst:
-        return None
-    bitmask = torch.full((int(starts[-1]), out.grammar_bitmask.shape[1]), -1, dtype=torch.int32)  # [N, W]
-    bitmask[dst] = out.grammar_bitmask[src]
-    return GrammarBitmask(bitmask, dst)
-
-
-def _draft_prefixes(drafts: list[list[int]]) -> list[list[int]] | None:
-    """Per logits row: the drafts before its position (what the target conditions on there)."""
-    if not any(drafts):
-        return None
-    return [d[:j] for d in drafts for j in range(len(d) + 1)]
