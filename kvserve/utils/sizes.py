@@ -1,4 +1,8 @@
-"""Human-readable byte sizes: parse `2GiB`, `512MiB`, `80GB`, `1e9` and format them back."""
+"""Human-readable byte sizes: parse `2GiB`, `512MiB`, `80GB`, `1e9` and format them back.
+
+NOTE: kept rather than `pydantic.ByteSize`, which reads `1e9` and `2.5e3MB` as unknown units, takes
+`1K`, `1PB` and `8bit` (sizes the CLI refuses today) and formats `1.5KiB` where the CLI prints `1.50 KiB`.
+"""
 
 from __future__ import annotations
 

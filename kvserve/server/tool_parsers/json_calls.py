@@ -8,6 +8,11 @@ Whole text: `parse_calls` (json.loads; None when it is not such a value). Stream
 scans the value a piece at a time and announces a call (id, name) as soon as `{"name": "...",
 "arguments":` has arrived, then passes the arguments' own text through as it comes, so a client sees
 the arguments grow token by token. Objects whose keys come in another order are parsed once they close.
+
+NOTE: a scanner, not `partial-json-parser`: that library turns the text so far into a value, so streamed
+arguments would be re-serialized and diffed (no longer the model's own text), the arguments' key would
+show only once its value starts, and it cannot say where a value ends (text after it is an error); it
+also parses the whole text again for every piece.
 """
 from __future__ import annotations
 
