@@ -13,15 +13,13 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvserve.config.scheduler import SchedulerConfig
-from kvserve.engine.core_types import EngineCoreOutput
+from kvserve.core_types import CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
-from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.scheduler.policy import WaitingOrder
 from kvserve.scheduler.step_cost import LatencyBudget, OnlineStepCost, StepCost, StepFeatures
 from kvserve.spec_decode.policy import DraftLengthPolicy
 from kvserve.structured_output.manager import StructuredOutputManager
-from kvserve.worker.runner_output import ModelRunnerOutput
 
 
 @dataclass
@@ -269,9 +267,10 @@ class Scheduler:
                 cached.new_block_ids.append(block_ids)
                 cached.num_computed_tokens.append(req.num_computed_tokens)
             else:
-                new.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                          req.eos_token_ids, block_ids, req.num_computed_tokens,
-                                          req.lora_request))
+                new.append(NewRequestData(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                          sampling_params=req.sampling_params, eos_token_ids=req.eos_token_ids,
+                                          block_ids=block_ids, num_computed_tokens=req.num_computed_tokens,
+                                          lora_request=req.lora_request))
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new, scheduled_cached_reqs=cached,
@@ -468,11 +467,13 @@ class Scheduler:
     @staticmethod
     def _output(req: Request, new_ids: list[int], new_logprobs, now: float,
                 new_prompt_logprobs=None) -> EngineCoreOutput:
-        return EngineCoreOutput(req.request_id, new_ids, new_logprobs, now, req.metrics.first_scheduled_time,
-                                req.num_cached_tokens, req.status.finish_reason,
-                                req.stop_reason if isinstance(req.stop_reason, int) else None, req.error,
-                                req.metrics.num_draft_tokens, req.metrics.num_accepted_tokens,
-                                new_prompt_logprobs)
+        return EngineCoreOutput(request_id=req.request_id, new_token_ids=new_ids, new_logprobs=new_logprobs,
+                                timestamp=now, first_scheduled_time=req.metrics.first_scheduled_time,
+                                num_cached_tokens=req.num_cached_tokens, finish_reason=req.status.finish_reason,
+                                stop_reason=req.stop_reason if isinstance(req.stop_reason, int) else None,
+                                error=req.error, num_draft_tokens=req.metrics.num_draft_tokens,
+                                num_accepted_tokens=req.metrics.num_accepted_tokens,
+                                new_prompt_logprobs=new_prompt_logprobs)
 
     def finished_output(self, req: Request) -> EngineCoreOutput:
         """The output announcing a request finished outside update() (aborted)."""

@@ -14,19 +14,18 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionBackend, CommonAttentionMetadata
+from kvserve.core_types import ModelRunnerOutput, SchedulerOutput
 from kvserve.kv_cache.layout import KVCacheSpec, slot_mapping
-from kvserve.kv_cache.pool import KVPool
-from kvserve.lora.manager import LoRAManager
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sample.metadata import GrammarBitmask
 from kvserve.sample.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from kvserve.sample.rejection_sampler import accept_prefix, rewind_generator
 from kvserve.sample.sampler import Sampler
-from kvserve.scheduler.output import SchedulerOutput
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.worker.cuda_graph import CudaGraphRunner
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
-from kvserve.worker.runner_output import ModelRunnerOutput
+from kvserve.worker.kv_pool import KVPool
+from kvserve.worker.lora_manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +352,8 @@ class ModelRunner:
             if i in drew and lo + n < hi:  # positions after the first rejection give their draws back
                 rewind_generator(states[i].generator, saved[i], n, self.vocab_size, self.device)
         wanted = any(lp is not None for lp in out_logprobs)
-        return ModelRunnerOutput(list(ids), out_tokens, out_logprobs if wanted else None)
+        return ModelRunnerOutput(req_ids=list(ids), sampled_token_ids=out_tokens,
+                                 logprobs=out_logprobs if wanted else None)
 
 
 def _grammar_rows(out: SchedulerOutput, sample_ids: list[str], num_logits: np.ndarray) -> GrammarBitmask | None:
