@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP := $(BIN)/pip install -q --disable-pip-version-check $(FIND_LINKS)
 
-.PHONY: install serve generate test test-fast bench bench-compare clean
+.PHONY: install serve generate test test-fast lint bench bench-compare clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,10 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The package graph: no cycles, no import up the layers ([tool.importlinter] in pyproject.toml)
+lint: install
+	$(BIN)/lint-imports
 
 bench: install
 	$(BIN)/kvserve bench offline --workload ../shared/workloads/mixed.jsonl

@@ -155,8 +155,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from kvserve.engine.llm import LLM
-    from kvserve.models.dummy import builtin_config_dir
-    from kvserve.models.loader import ModelSource, load_hf_config
+    from kvserve.model_loader.dummy import builtin_config_dir
+    from kvserve.model_loader.loader import ModelSource, load_hf_config
 
     on_gpu = args.device == "cuda"
     bw, flops, peaks_from = device_peaks() if on_gpu else (1e11, 1e12, "made up: a CPU smoke test")

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from kvserve.attention.cpu_kernels import build_extension
 from kvserve.layers.quant.int8 import quantize_int8
+from kvserve.utils.cpp_extension import build_extension
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

@@ -48,7 +48,7 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", tie: bool = False, seed
     """Write a random tiny checkpoint + the SmolLM2 tokenizer to `path`; returns the HF model (oracle)."""
     import transformers as tf
 
-    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
+    from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_tokenizer
 
     torch.manual_seed(seed)
     cfg = _tiny_config(arch, tie)
@@ -71,7 +71,7 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from kvserve.models.gguf_loader import builtin_model_path
+    from kvserve.model_loader.gguf_loader import builtin_model_path
 
     return builtin_model_path()
 

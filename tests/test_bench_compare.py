@@ -248,7 +248,7 @@ def test_unknown_peer_and_missing_workload_are_errors(tmp_path):
 def test_compare_kvserve_server_against_transformers_end_to_end(tmp_path, capsys):
     """The real thing, small: the built-in model served by `kvserve serve` and run by transformers agree."""
     from kvserve.cli.main import main
-    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
+    from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_tokenizer
 
     tok = load_gguf_tokenizer(builtin_model_path())
     texts = ["def add(a, b):\n    return", "The capital of France is", "import os\nimport sys\n"]

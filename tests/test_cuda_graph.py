@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.attention.backend import CommonAttentionMetadata
-from kvserve.models.dummy import builtin_config_dir
+from kvserve.model_loader.dummy import builtin_config_dir
 from kvserve.worker.cuda_graph import DecodeGraphBuffers, bucket_for, capture_sizes, graphable
 from kvserve.worker.memory_plan import CudaMemoryPlan
 

@@ -1,4 +1,4 @@
-"""--load-format dummy: random weights of a config's real shapes (models/dummy.py), no checkpoint read."""
+"""--load-format dummy: random weights of a config's real shapes (model_loader/dummy.py), no checkpoint read."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvserve.config import EngineArgs
-from kvserve.models.dummy import IdTokenizer, builtin_config_dir, initialize_dummy_weights
-from kvserve.models.loader import ModelSource, load_hf_config
+from kvserve.model_loader.dummy import IdTokenizer, builtin_config_dir, initialize_dummy_weights
+from kvserve.model_loader.loader import ModelSource, load_hf_config
 
 
 @pytest.mark.parametrize("name, num_params", [
@@ -17,7 +17,7 @@ def test_builtin_configs_have_the_real_models_parameter_counts(name, num_params)
     """Built on the meta device (nothing allocated): the shapes add up to the published parameter counts."""
     from kvserve.layers.linear_methods import DenseMethod
     from kvserve.models.llama import LlamaForCausalLM
-    from kvserve.models.registry import resolve_architecture
+    from kvserve.model_loader.architectures import resolve_architecture
     from kvserve.attention.torch_ref import TorchRefBackend
 
     cfg = load_hf_config(ModelSource("hf", builtin_config_dir(name)))

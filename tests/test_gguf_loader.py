@@ -1,4 +1,4 @@
-"""kvserve.models.gguf_loader against transformers' own GGUF support (the oracle).
+"""kvserve.model_loader.gguf_loader against transformers' own GGUF support (the oracle).
 
 The built-in model is loaded once per module (two copies of ~540 MB, ~30 s on 2 cores);
 the error and permutation cases use tiny GGUF files written with `gguf.GGUFWriter`.
@@ -16,8 +16,9 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from kvserve.models import gguf_loader
-from kvserve.models.gguf_loader import builtin_model_path, iter_gguf_tensors, load_gguf_config, load_gguf_tokenizer
+from kvserve.model_loader import gguf_loader
+from kvserve.model_loader.gguf_loader import (builtin_model_path, iter_gguf_tensors, load_gguf_config,
+                                              load_gguf_tokenizer)
 
 ORDINARY_TEXTS = [
     "Hello, world! How are you today?",

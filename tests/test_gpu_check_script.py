@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.models.dummy import builtin_config_dir
+from kvserve.model_loader.dummy import builtin_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
 

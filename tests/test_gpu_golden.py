@@ -67,7 +67,7 @@ def test_tiny_llama_golden_on_gpu(tmp_path, block_size):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_golden_on_gpu(dtype):
     try:
-        from kvserve.models.gguf_loader import builtin_model_path
+        from kvserve.model_loader.gguf_loader import builtin_model_path
         path = builtin_model_path()
         import gguf  # noqa: F401  (transformers' GGUF loader needs it too)
     except (ImportError, FileNotFoundError) as e:

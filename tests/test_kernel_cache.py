@@ -1,5 +1,5 @@
-"""The C++ kernel cache (cpu_kernels.build_extension): one build per source/flags/environment/CPU, shared by
-every checkout, and a logged PyTorch fallback when nothing can be built.
+"""The C++ kernel cache (utils/cpp_extension.py, build_extension): one build per source/flags/environment/CPU,
+shared by every checkout, and a logged PyTorch fallback when nothing can be built.
 
 A tiny extension stands in for the real kernels; the whole file compiles it once (test_two_checkouts_build_once).
 """
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvserve import envs
-from kvserve.attention import cpu_kernels
-from kvserve.attention.cpu_kernels import build_extension, kernel_key
+from kvserve.utils import cpp_extension
+from kvserve.utils.cpp_extension import build_extension, kernel_key
 
 TINY_SOURCE = """\
 #include <torch/extension.h>
@@ -66,7 +66,7 @@ def test_key_follows_source_flags_and_environment(tmp_path, monkeypatch):
     assert kernel_key(code, ["-O2", "-march=native"], ldflags) != base
     assert kernel_key(code, cflags, []) != base
     for target, attr, value in [(sys, "prefix", "/another/venv"), (sys, "version", "3.99.0"),
-                                (torch, "__version__", "9.9.9"), (cpu_kernels, "_cpu_tag", lambda: "othercpu")]:
+                                (torch, "__version__", "9.9.9"), (cpp_extension, "_cpu_tag", lambda: "othercpu")]:
         with monkeypatch.context() as m:
             m.setattr(target, attr, value)
             assert kernel_key(code, cflags, ldflags) != base, attr
@@ -76,7 +76,7 @@ def test_key_follows_source_flags_and_environment(tmp_path, monkeypatch):
 _LOAD_SCRIPT = textwrap.dedent("""
     import json, logging, sys, time
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from kvserve.attention.cpu_kernels import build_extension
+    from kvserve.utils.cpp_extension import build_extension
     start = time.perf_counter()
     module = build_extension("kvserve_test_tiny", sys.argv[1], "tiny test")
     print(json.dumps({"seconds": time.perf_counter() - start, "sum": module.add(2, 3) if module else None}))
@@ -98,7 +98,7 @@ def _finish(proc: subprocess.Popen) -> tuple[dict, str]:
 
 def test_two_checkouts_build_once(tmp_path, cache_dir):
     sources = [_checkout(tmp_path, name) for name in ("checkout1", "checkout2", "checkout3")]
-    key = kernel_key(TINY_SOURCE.encode(), cpu_kernels._CFLAGS, cpu_kernels._LDFLAGS)
+    key = kernel_key(TINY_SOURCE.encode(), cpp_extension._CFLAGS, cpp_extension._LDFLAGS)
     build_dir = cache_dir / "kernels" / f"kvserve_test_tiny_{key}"
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()  # torch's baton, as left by a build that was killed
@@ -121,9 +121,10 @@ def test_two_checkouts_build_once(tmp_path, cache_dir):
 
 def test_no_compiler_falls_back_with_warning(tmp_path, cache_dir, monkeypatch, caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    caplog.set_level(logging.INFO, logger=cpu_kernels.__name__)
+    caplog.set_level(logging.INFO, logger=cpp_extension.__name__)
     assert build_extension("kvserve_test_tiny", str(_checkout(tmp_path, "checkout")), "tiny test") is None
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == cpu_kernels.__name__]
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == cpp_extension.__name__]
     assert len(warnings) == 1
     assert "tiny test" in warnings[0] and "PyTorch path" in warnings[0] and "no-such-compiler" in warnings[0]
 

@@ -95,7 +95,7 @@ def test_cli_gpt3_mha_defaults_to_float16(tmp_path, capsys):
 
 
 def test_cli_builtin_gguf_float32(capsys):
-    from kvserve.models.gguf_loader import builtin_model_path
+    from kvserve.model_loader.gguf_loader import builtin_model_path
 
     try:
         path = builtin_model_path()

@@ -238,11 +238,11 @@ def test_bin_adapters_load_like_safetensors(lora_setup, tmp_path):
 # ---- scheduling -------------------------------------------------------------------------------------
 def test_scheduler_admits_at_most_max_loras_adapters_in_fcfs_order(tmp_path):
     from kvserve.config.scheduler import SchedulerConfig
+    from kvserve.core_types import ModelRunnerOutput
     from kvserve.kv_cache.block_pool import BlockPool
     from kvserve.kv_cache.manager import KVCacheManager
     from kvserve.request import Request
     from kvserve.scheduler.scheduler import Scheduler
-    from kvserve.worker.runner_output import ModelRunnerOutput
 
     sched = Scheduler(SchedulerConfig(8, 64, 4096), KVCacheManager(BlockPool(32), 4, True), max_loras=2)
     loras = {i: LoRARequest(f"a{i}", i, str(tmp_path)) for i in (1, 2, 3)}
@@ -255,7 +255,7 @@ def test_scheduler_admits_at_most_max_loras_adapters_in_fcfs_order(tmp_path):
     assert list(out.num_scheduled_tokens) == ["x", "y", "base"]
     assert [n.lora_request for n in out.scheduled_new_reqs] == [loras[1], loras[2], None]
     sched.check_invariants()
-    sched.update(out, ModelRunnerOutput(["x", "y", "base"], [[9], [9], [9]]))  # max_tokens=1: all finish
+    sched.update(out, ModelRunnerOutput(req_ids=["x", "y", "base"], sampled_token_ids=[[9], [9], [9]]))  # all finish
     out = sched.schedule()
     assert list(out.num_scheduled_tokens) == ["z", "x2"]
     sched.check_invariants()

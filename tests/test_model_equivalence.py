@@ -13,10 +13,10 @@ import torch
 
 from conftest import ATTENTION_BACKENDS, TINY_ARCHS, make_tiny_checkpoint
 from kvserve.config import EngineArgs
+from kvserve.core_types import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.engine.engine import Engine
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 def paged_logits(engine: Engine, batch: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
@@ -50,7 +50,8 @@ def paged_logits(engine: Engine, batch: list[tuple[list[int], int, int]]) -> lis
     for r, _, _ in reqs:
         kv.free(r)
     engine.core.executor.worker.runner.update_states(SchedulerOutput(
-        [], CachedRequestData(), {}, 0, finished_req_ids={r.request_id for r, _, _ in reqs}))
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(), num_scheduled_tokens={},
+        total_num_scheduled_tokens=0, finished_req_ids={r.request_id for r, _, _ in reqs}))
     return out
 
 
@@ -65,14 +66,17 @@ def _forward(engine: Engine, entries) -> torch.Tensor:
         block_ids = kv.block_ids(r.request_id)
         known = runner.requests.get(r.request_id)
         if known is None:
-            new.append(NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params, (), block_ids,
-                                      r.num_computed_tokens))
+            new.append(NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                                      sampling_params=r.sampling_params, eos_token_ids=(), block_ids=block_ids,
+                                      num_computed_tokens=r.num_computed_tokens))
         else:
             cached.req_ids.append(r.request_id)
             cached.resumed_from_preemption.append(False)
             cached.new_block_ids.append(block_ids[runner.batch.num_blocks[runner.batch.index[r.request_id]]:])
             cached.num_computed_tokens.append(r.num_computed_tokens)
-    out = SchedulerOutput(new, cached, {r.request_id: n for r, n in entries}, sum(n for _, n in entries))
+    out = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                          num_scheduled_tokens={r.request_id: n for r, n in entries},
+                          total_num_scheduled_tokens=sum(n for _, n in entries))
     runner.update_states(out)
     inputs = runner.prepare_inputs(out)
     hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches,
@@ -170,7 +174,7 @@ def test_head_dim_64_logits_match_transformers(tmp_path):
     path, decodes the dot-product one; the tiny checkpoints above (head_dim 16) take the generic path."""
     import transformers as tf
 
-    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
+    from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_tokenizer
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=192, intermediate_size=256, num_hidden_layers=2,

@@ -25,9 +25,9 @@ from kvserve.layers.linear import ReplicatedLinear
 from kvserve.layers.linear_methods import OneDNNPackedMethod
 from kvserve.layers.quant import kernels
 from kvserve.layers.quant.gguf import GGUFMethod
-from kvserve.layers.quant.gguf_blocks import GGUFWeight, q4_blocks, q8_0_blocks
 from kvserve.layers.quant.int4 import Int4WeightOnlyMethod, quantize_int4
 from kvserve.layers.quant.int8 import Int8WeightOnlyMethod, quantize_int8
+from kvserve.model_loader.gguf_blocks import GGUFWeight, q4_blocks, q8_0_blocks
 from kvserve.sampling_params import SamplingParams
 
 Q = gguf.GGMLQuantizationType

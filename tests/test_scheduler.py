@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import pytest
 
 from kvserve.config.scheduler import SchedulerConfig
+from kvserve.core_types import ModelRunnerOutput
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.worker.runner_output import ModelRunnerOutput
 
 
 @dataclass
@@ -48,8 +48,8 @@ def _scheduler(num_blocks=32, block_size=4, max_seqs=8, budget=24, prefix=True, 
 def _fake_tokens(step: _Step) -> ModelRunnerOutput:
     # deterministic "model": next token = (position * 7) % 1000 + 3
     sampling = [s for s in step.scheduled if s.samples]
-    return ModelRunnerOutput([s.request.request_id for s in sampling],
-                             [[(s.request.num_tokens * 7) % 1000 + 3] for s in sampling])
+    return ModelRunnerOutput(req_ids=[s.request.request_id for s in sampling],
+                             sampled_token_ids=[[(s.request.num_tokens * 7) % 1000 + 3] for s in sampling])
 
 
 def _step(sched: Scheduler):

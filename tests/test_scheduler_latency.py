@@ -6,13 +6,13 @@ from __future__ import annotations
 import random
 
 from kvserve.config.scheduler import SchedulerConfig
+from kvserve.core_types import ModelRunnerOutput
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.step_cost import MIN_PROMPT_CHUNK, LinearStepCost, StepFeatures
-from kvserve.worker.runner_output import ModelRunnerOutput
 
 # 10 ms a step, 1 ms a token, 1 us a query-key pair.
 _COST = LinearStepCost(base=0.010, per_token=0.001, per_pair=1e-6)
@@ -42,7 +42,8 @@ def _step(sched: Scheduler, seconds: float = 0.0):
         carried = carried + StepFeatures.of_request(req.num_computed_tokens, n)
         if req.num_computed_tokens + n == req.num_tokens:
             sampling.append(req)
-    runner = ModelRunnerOutput([r.request_id for r in sampling], [[(r.num_tokens * 7) % 1000 + 3] for r in sampling],
+    runner = ModelRunnerOutput(req_ids=[r.request_id for r in sampling],
+                               sampled_token_ids=[[(r.num_tokens * 7) % 1000 + 3] for r in sampling],
                                execute_s=seconds)
     sched.update(out, runner)
     sched.check_invariants()

@@ -11,6 +11,7 @@ import torch
 from conftest import run_to_completion
 from kvserve.config import EngineArgs
 from kvserve.config.scheduler import SchedulerConfig
+from kvserve.core_types import ModelRunnerOutput
 from kvserve.engine.engine import Engine
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.manager import KVCacheManager
@@ -21,7 +22,6 @@ from kvserve.request import Request
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
-from kvserve.worker.runner_output import ModelRunnerOutput
 
 
 # ---- the diff ---------------------------------------------------------------------------------
@@ -33,7 +33,7 @@ def _sched(num_blocks=8, block_size=4, budget=64):
 def _sample_all(sched, out) -> ModelRunnerOutput:
     ids = [rid for rid, n in out.num_scheduled_tokens.items()
            if sched.requests[rid].num_computed_tokens + n == sched.requests[rid].num_tokens]
-    return ModelRunnerOutput(ids, [[7] for _ in ids])
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=[[7] for _ in ids])
 
 
 def test_scheduler_output_sends_each_request_once_then_only_changes():
@@ -90,11 +90,12 @@ def test_update_rolls_back_rejected_drafts_and_caches_only_final_tokens():
     r = Request("r", list(range(6)), SamplingParams(max_tokens=20, ignore_eos=True), max_tokens=20)
     sched.add_request(r)
     out = sched.schedule()
-    sched.update(out, ModelRunnerOutput(["r"], [[100]]))  # 7 tokens, 6 computed
+    sched.update(out, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[100]]))  # 7 tokens, 6 computed
     r.spec_token_ids = [101, 102, 103]                    # a proposer's drafts: 4 tokens to verify
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"r": 4} and out.scheduled_spec_decode_tokens == {"r": [101, 102, 103]}
-    sched.update(out, ModelRunnerOutput(["r"], [[101, 555]]))  # one draft accepted, then a correction
+    # one draft accepted, then a correction
+    sched.update(out, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[101, 555]]))
     assert r.output_token_ids == [100, 101, 555] and r.num_computed_tokens == 8 and not r.spec_token_ids
     # blocks hold only tokens that are final: 8 computed -> 2 full blocks registered, no draft's KV
     assert kv._num_registered["r"] == 2

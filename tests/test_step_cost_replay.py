@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from test_scheduler_latency import _request, _scheduler
 
+from kvserve.core_types import ModelRunnerOutput
 from kvserve.scheduler.step_cost import OnlineStepCost, StepFeatures, largest_chunk
-from kvserve.worker.runner_output import ModelRunnerOutput
 
 
 class _Truth:
@@ -56,7 +56,8 @@ def _replay(truth: _Truth, target_ms: float, noise: float, spikes: float, seed: 
         steps.append((decodes, first, long_tokens, truth.predict(carried)))
         done = [sched.requests[r] for r, n in out.num_scheduled_tokens.items()
                 if sched.requests[r].num_computed_tokens + n == sched.requests[r].num_tokens]
-        sched.update(out, ModelRunnerOutput([r.request_id for r in done], [[5]] * len(done), execute_s=seconds))
+        sched.update(out, ModelRunnerOutput(req_ids=[r.request_id for r in done], sampled_token_ids=[[5]] * len(done),
+                                            execute_s=seconds))
         sched.check_invariants()
     assert not sched.num_unfinished
     return cost, steps
@@ -125,7 +126,7 @@ def _simulate(sched, truth: _Truth, arrivals: list[tuple[float, str, int, int]],
         for r in done:
             stamps[r.request_id].append(now)
         done = [r for r in done if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens]
-        sched.update(out, ModelRunnerOutput([r.request_id for r in done], [[5]] * len(done),
+        sched.update(out, ModelRunnerOutput(req_ids=[r.request_id for r in done], sampled_token_ids=[[5]] * len(done),
                                             execute_s=seconds * float(rng.lognormal(0.0, 0.05))))
     return now, stamps
 

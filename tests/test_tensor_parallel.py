@@ -182,8 +182,9 @@ def test_a_rank_reads_only_its_slices(tiny_llama, tmp_path, num_kv_heads):
     with one KV head, both ranks hold it (replicated)."""
     from kvserve.attention.registry import make_backend
     from kvserve.layers.linear_methods import DenseMethod
-    from kvserve.models.loader import ModelSource, build_model, iter_checkpoint_tensors, load_hf_config
-    from kvserve.models.weight_loader import load_weights
+    from kvserve.model_loader.loader import ModelSource, iter_checkpoint_tensors, load_hf_config
+    from kvserve.model_loader.weight_loader import load_weights
+    from kvserve.models.build import build_model
 
     path, hf = tiny_llama
     if num_kv_heads == 1:  # the same weights as MQA: keep the first KV head
@@ -225,7 +226,7 @@ def test_a_rank_reads_only_its_slices(tiny_llama, tmp_path, num_kv_heads):
 def test_gguf_slices_equal_the_whole_tensor(smollm2_path):
     import itertools
 
-    from kvserve.models.gguf_loader import iter_gguf_tensors
+    from kvserve.model_loader.gguf_loader import iter_gguf_tensors
 
     eager = dict(itertools.islice(iter_gguf_tensors(smollm2_path), 12))
     checked = 0

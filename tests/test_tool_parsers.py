@@ -178,7 +178,7 @@ def test_required_and_named_parsers():
 
 # ---- registry, inference, flags -----------------------------------------------------------------
 def test_parser_registry_and_inference(smollm2_path):
-    from kvserve.models.gguf_loader import load_gguf_tokenizer
+    from kvserve.model_loader.gguf_loader import load_gguf_tokenizer
 
     builtin = load_gguf_tokenizer(smollm2_path).chat_template
     assert "tools" not in builtin  # NOTE: the built-in template ignores tools, hence the fallback template

@@ -23,10 +23,11 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cascade import find_shared_prefixes
-from kvserve.attention.cpu_kernels import build_extension, load_paged_attention
+from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.prefill import gather
 from kvserve.attention.torch_ref import TorchRefBackend, _decode
 from kvserve.kv_cache.quant import quantize_blocks
+from kvserve.utils.cpp_extension import build_extension
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 # B=1: single-stream decode, whose blocks the kernel splits over the threads

@@ -162,7 +162,7 @@ def _decode1_workload(directory: str) -> str:
 # ---- set-up ------------------------------------------------------------------------------------------
 def _set_up(peer: Peer, peers_dir: str, log_dir: str) -> tuple[PeerEnv, str]:
     env = ensure_venv(peer, peers_dir, log_dir)
-    from kvserve.models.gguf_loader import builtin_model_path
+    from kvserve.model_loader.gguf_loader import builtin_model_path
 
     gguf = builtin_model_path()
     wdir = os.path.join(peers_dir, "weights")
@@ -327,7 +327,7 @@ _TOKENIZER = []
 
 def _tokenizer():
     if not _TOKENIZER:
-        from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
+        from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_tokenizer
         _TOKENIZER.append(load_gguf_tokenizer(builtin_model_path()))
     return _TOKENIZER[0]
 
@@ -374,7 +374,7 @@ def _roofline(report: dict, requests: dict[str, list[WorkloadRequest]]) -> dict 
     if not row or "error" in row:
         return None
     from kvserve.bench.roofline import measure_matmul_rate, workload_flops
-    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_config
+    from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_config
 
     import torch
     torch.set_num_threads(report["settings"]["threads"])

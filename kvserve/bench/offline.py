@@ -114,7 +114,7 @@ def load_hf_model(model: str | None):
 
     from transformers import AutoModelForCausalLM
 
-    from kvserve.models.loader import ModelSource
+    from kvserve.model_loader.loader import ModelSource
 
     source = ModelSource.resolve(model)
     if source.kind == "gguf":

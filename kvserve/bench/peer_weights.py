@@ -24,7 +24,7 @@ def hf_folder(gguf_path: str, out_dir: str) -> str:
     import torch
     from transformers import LlamaForCausalLM
 
-    from kvserve.models.gguf_loader import iter_gguf_tensors, load_gguf_config, load_gguf_tokenizer
+    from kvserve.model_loader.gguf_loader import iter_gguf_tensors, load_gguf_config, load_gguf_tokenizer
 
     tmp = out_dir + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -37,7 +37,7 @@ def _synthetic_model(path: str) -> str:
     import torch
     import transformers as tf
 
-    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
+    from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_tokenizer
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -76,7 +76,7 @@ def _run(llm, requests) -> dict:
 
 
 def _hf_config(model: str):
-    from kvserve.models.loader import ModelSource, load_hf_config
+    from kvserve.model_loader.loader import ModelSource, load_hf_config
 
     return load_hf_config(ModelSource.resolve(model))
 

@@ -69,7 +69,7 @@ def load_model_config(model: str) -> Any:
             raise FileNotFoundError(f"model folder {model} has no config.json")
     elif os.path.isfile(model):
         if model.endswith(".gguf"):
-            from kvserve.models.gguf_loader import load_gguf_config  # imports torch: only when needed
+            from kvserve.model_loader.gguf_loader import load_gguf_config  # imports torch: only when needed
 
             return load_gguf_config(model)
         config_path = model

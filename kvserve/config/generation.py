@@ -85,7 +85,7 @@ def default_sampling(mode: str, model: str | None, override: str | dict | None) 
 
 
 def _is_builtin(model: str) -> bool:
-    from kvserve.models.gguf_loader import builtin_model_path
+    from kvserve.model_loader.gguf_loader import builtin_model_path
 
     try:
         return model.endswith(".gguf") and os.path.samefile(model, builtin_model_path())

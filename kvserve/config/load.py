@@ -10,7 +10,7 @@ LOAD_FORMATS = ("auto", "dummy")
 class LoadConfig:
     load_format: str = "auto"
     """auto: the checkpoint's own format (safetensors folder or GGUF file); dummy: random weights of the
-    config's shapes, nothing read but the config (models/dummy.py)."""
+    config's shapes, nothing read but the config (model_loader/dummy.py)."""
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

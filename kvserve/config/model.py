@@ -15,11 +15,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     source: Any
-    """models.loader.ModelSource: a Hugging Face folder or a GGUF file."""
+    """model_loader.loader.ModelSource: a Hugging Face folder or a GGUF file."""
     hf_config: Any
     """The checkpoint's transformers config, with num_key_value_heads and head_dim filled in."""
     architecture: str
-    """A key of models.registry.ARCHITECTURES."""
+    """A key of model_loader.architectures.ARCHITECTURES."""
     dtype: torch.dtype
     """Weights, activations and KV cache."""
     max_model_len: int
@@ -36,8 +36,8 @@ class ModelConfig:
     @classmethod
     def resolve(cls, model: str | None, dtype: str, device: torch.device, max_model_len: int | None,
                 max_logprobs: int) -> "ModelConfig":
-        from kvserve.models.loader import ModelSource, load_hf_config
-        from kvserve.models.registry import resolve_architecture
+        from kvserve.model_loader.loader import ModelSource, load_hf_config
+        from kvserve.model_loader.architectures import resolve_architecture
 
         source = ModelSource.resolve(model)
         hf_config = load_hf_config(source)

@@ -50,7 +50,7 @@ class QuantizationConfig:
         return DEFAULT_GROUP_SIZE.get(self.method or "", DEFAULT_GROUP_SIZE["int4"])
 
     def check_source(self, source) -> None:
-        """Refuse `gguf` for a checkpoint that has no GGUF blocks (models.loader.ModelSource)."""
+        """Refuse `gguf` for a checkpoint that has no GGUF blocks (model_loader.loader.ModelSource)."""
         if self.method == "gguf" and source.kind != "gguf":
             raise ValueError(f"--quantization gguf keeps a GGUF file's quantized blocks, but {source.path} is a "
                              f"{source.kind} checkpoint; use int8 or int4 (quantized at load) for it")

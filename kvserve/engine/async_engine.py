@@ -40,9 +40,9 @@ from kvserve.engine.engine_loop import (
     Stopped,
     ThreadTransport,
 )
+from kvserve.engine.lora_checker import AdapterChecker
 from kvserve.engine.output_processor import IterationStats, OutputProcessor
 from kvserve.engine.processor import Processor, eos_token_ids
-from kvserve.lora.checker import AdapterChecker
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
@@ -392,7 +392,7 @@ class AsyncEngine:
 
 def _load_front_end(args: EngineArgs):
     """The tokenizer and the model's config, read by the front end itself while the core loads weights."""
-    from kvserve.models.loader import ModelSource, load_hf_config, load_tokenizer
+    from kvserve.model_loader.loader import ModelSource, load_hf_config, load_tokenizer
 
     source = ModelSource.resolve(args.model)
     return load_tokenizer(source, args.load_format == "dummy"), load_hf_config(source)

@@ -11,12 +11,11 @@ import logging
 from dataclasses import dataclass
 
 from kvserve.config.engine import EngineConfig
-from kvserve.engine.core_types import EngineCoreOutput, EngineCoreRequest
+from kvserve.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
 from kvserve.kv_cache.quant import dtype_name
-from kvserve.layers.quant import step_cost_knee
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.step_cost import OnlineStepCost
@@ -61,8 +60,7 @@ class EngineCore:
                                    spec_lookahead=spec is not None and spec.method == "draft_model",
                                    max_loras=config.lora.max_loras if config.lora else None,
                                    structured=StructuredOutputManager(self._load_tokenizer, config.model.vocab_size),
-                                   step_cost=OnlineStepCost(knee_rows=step_cost_knee(config.quantization,
-                                                                                     config.device.device.type)))
+                                   step_cost=OnlineStepCost(knee_rows=self.executor.step_cost_knee()))
         self._aborted: list[EngineCoreOutput] = []
         mc = config.model
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,
@@ -75,7 +73,7 @@ class EngineCore:
 
     def _load_tokenizer(self):
         # NOTE: the core produces no text; xgrammar alone needs the vocabulary's strings, on its compile thread.
-        from kvserve.models.loader import load_tokenizer
+        from kvserve.model_loader.loader import load_tokenizer
 
         return load_tokenizer(self.config.model.source, self.config.load.load_format == "dummy")
 
@@ -111,7 +109,8 @@ class EngineCore:
         """Finish a request with finish_reason "error" (e.g. it could not be added)."""
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, error)
         if req is None:
-            return EngineCoreOutput(request_id, [], None, 0.0, finish_reason="error", error=error)
+            return EngineCoreOutput(request_id=request_id, new_token_ids=[], new_logprobs=None, timestamp=0.0,
+                                    finish_reason="error", error=error)
         return self.scheduler.finished_output(req)
 
     def has_unfinished_requests(self) -> bool:

@@ -13,11 +13,11 @@ import time
 
 from kvserve.config import EngineArgs
 from kvserve.engine.core import EngineCore
+from kvserve.engine.lora_checker import AdapterChecker
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.processor import Processor, eos_token_ids
-from kvserve.lora.checker import AdapterChecker
 from kvserve.lora.request import LoRARequest
-from kvserve.models.loader import load_tokenizer
+from kvserve.model_loader.loader import load_tokenizer
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 

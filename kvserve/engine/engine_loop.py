@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.config import EngineArgs
+from kvserve.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.engine.core import EngineCore, EngineInfo
-from kvserve.engine.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.utils.memory import resident_memory_bytes
 
 logger = logging.getLogger(__name__)

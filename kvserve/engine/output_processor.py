@@ -13,8 +13,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from kvserve.core_types import EngineCoreOutput
 from kvserve.detokenizer import IncrementalDetokenizer
-from kvserve.engine.core_types import EngineCoreOutput
 from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from kvserve.sample.prompt_logprobs import PromptLogprobsChunk
 from kvserve.sample.sampler import RowLogprobs

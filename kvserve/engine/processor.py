@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+from kvserve.core_types import EngineCoreRequest
 from kvserve.engine.core import EngineInfo
-from kvserve.engine.core_types import EngineCoreRequest
+from kvserve.engine.lora_checker import AdapterChecker
 from kvserve.kv_cache.manager import PrefixExplanation
-from kvserve.lora.checker import AdapterChecker
 from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.structured_output.grammar import build_grammar
@@ -126,8 +126,9 @@ class Processor:
             if params.n > 1 and not self.info.enable_prefix_caching:
                 salt = f"n-group:{request_id}"  # share the prompt among the samples only
             children.append(EngineCoreRequest(
-                child_request_id(request_id, i, params.n), list(prompt_token_ids), child_params,
-                self.eos_token_ids, max_tokens, arrival, cache_salt=salt,
+                request_id=child_request_id(request_id, i, params.n), prompt_token_ids=list(prompt_token_ids),
+                sampling_params=child_params, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens,
+                arrival_time=arrival, cache_salt=salt,
                 cache_pin=cache_pin if i == 0 else None, wait_for=first if i else None,
                 lora_request=lora_request))
         return children

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvserve.layers.linear_methods import DenseMethod, LinearMethod
-from kvserve.models.lazy_tensor import materialize
+from kvserve.model_loader.lazy_tensor import materialize
 
 # All-reduce (sum) of a row-parallel layer's partial outputs across ranks; None on one rank.
 Reduce = Callable[[torch.Tensor], torch.Tensor] | None
@@ -32,7 +32,7 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.checkpoint_parts: list[tuple[int, object]] = []
         """(first row, part) of each weight part kept in the checkpoint's own encoding (a GGUF block tensor,
-        layers/quant/gguf_blocks.py: not a torch.Tensor) for the method to repack; empty otherwise."""
+        model_loader/gguf_blocks.py: not a torch.Tensor) for the method to repack; empty otherwise."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)

@@ -65,7 +65,7 @@ class FusedLayerOps(LayerOps):
 
 @functools.lru_cache(maxsize=1)
 def load_fused_layer_ops() -> FusedLayerOps | None:
-    from kvserve.attention.cpu_kernels import build_extension
+    from kvserve.utils.cpp_extension import build_extension
 
     module = build_extension("kvserve_layer_ops", _SOURCE, "fused layer ops")
     return FusedLayerOps(module) if module is not None else None

@@ -5,11 +5,9 @@ SwiGLU), with two serving changes: q/k/v and gate/up projections are fused into 
 input is a flat token batch [T] with positions, whose attention goes through the paged KV cache.
 
 This file describes the network only: the layers (kvserve/layers) load their own weights, shards
-included, and multiply through a pluggable method; models/weight_loader.py maps checkpoint names to them.
+included, and multiply through a pluggable method; model_loader/weight_loader.py maps checkpoint names to them.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,15 +18,8 @@ from kvserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvserve.layers.linear_methods import LinearMethod
 from kvserve.layers.parallel import ShardContext
+from kvserve.model_loader.architectures import ArchFeatures
 from kvserve.models.layer_ops import LayerOps
-
-
-@dataclass(frozen=True)
-class ArchFeatures:
-    """What distinguishes the supported architectures from plain Llama."""
-
-    qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False   # Qwen3: RMSNorm over head_dim on q and k before RoPE
 
 
 class RMSNorm(nn.Module):

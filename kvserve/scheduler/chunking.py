@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.request import Request
-from kvserve.scheduler.output import SchedulerOutput
+from kvserve.core_types import SchedulerOutput
 from kvserve.scheduler.step_cost import LatencyBudget, StepCost, StepFeatures
 
 

@@ -1,7 +1,7 @@
 """What update() reports for one request: an EngineCoreOutput built from the request's state."""
 from __future__ import annotations
 
-from kvserve.engine.core_types import EngineCoreOutput
+from kvserve.core_types import EngineCoreOutput
 from kvserve.request import Request
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.request import Request
-from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvserve.core_types import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class BlockTables(Protocol):

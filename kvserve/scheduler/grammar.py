@@ -3,7 +3,7 @@ sampled tokens. (Holding back requests whose grammar compiles is an admission ga
 from __future__ import annotations
 
 from kvserve.request import Request, RequestStatus
-from kvserve.scheduler.output import SchedulerOutput
+from kvserve.core_types import SchedulerOutput
 from kvserve.structured_output.manager import StructuredOutputManager
 
 

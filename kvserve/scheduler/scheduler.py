@@ -12,7 +12,7 @@ import time
 from collections import deque
 
 from kvserve.config.scheduler import SchedulerConfig
-from kvserve.engine.core_types import EngineCoreOutput
+from kvserve.core_types import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler import spec
@@ -22,14 +22,12 @@ from kvserve.scheduler.chunking import ChunkSizer, observe_step_cost
 from kvserve.scheduler.core_output import core_output
 from kvserve.scheduler.diff import WorkerView, decodes_first
 from kvserve.scheduler.grammar import add_grammar_bitmask, advance_grammar, attach_grammar, valid_drafts
-from kvserve.scheduler.output import SchedulerOutput
 from kvserve.scheduler.policy import WaitingOrder
 from kvserve.scheduler.stats import SchedulerStats
 from kvserve.scheduler.step_cost import OnlineStepCost, StepCost
 from kvserve.scheduler.stop import append_until_stop
 from kvserve.spec_decode.policy import DraftLengthPolicy
 from kvserve.structured_output.manager import StructuredOutputManager
-from kvserve.worker.runner_output import ModelRunnerOutput
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,

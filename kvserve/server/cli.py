@@ -18,7 +18,7 @@ import threading
 import uvicorn
 
 from kvserve.config import EngineArgs
-from kvserve.models.loader import ModelSource
+from kvserve.model_loader.loader import ModelSource
 from kvserve.server.api_server import build_app
 from kvserve.server.config import ServerConfig
 from kvserve.utils.cli_help import DefaultsHelpFormatter

@@ -15,22 +15,21 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionBackend, CommonAttentionMetadata
-from kvserve.kv_cache.layout import KVCacheSpec, slot_mapping
-from kvserve.kv_cache.pool import KVPool
+from kvserve.kv_cache.layout import slot_mapping
 from kvserve.models.llama import LlamaForCausalLM
 
 
 class DraftModelProposer:
     name = "draft_model"
 
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, kv_caches: list, block_size: int,
                  device: torch.device):
+        """kv_caches: the draft's own KV pool, per layer (the worker allocates it: worker/kv_pool.py)."""
         self.model = model
         self.backend = backend
-        self.block_size = spec.block_size
+        self.block_size = block_size
         self.device = device
-        self.kv_pool = KVPool.allocate(spec, backend, device)
-        self.kv_caches = self.kv_pool.layers
+        self.kv_caches = kv_caches
 
     @torch.inference_mode()
     def propose(self, batch, rows: np.ndarray, num_drafts: np.ndarray) -> list[list[int]]:

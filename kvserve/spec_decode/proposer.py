@@ -5,19 +5,17 @@ A new method (suffix decoding, an EAGLE or Medusa head) is one more class with t
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from kvserve.worker.input_batch import InputBatch
 
 
 class Proposer(Protocol):
     name: str
 
-    def propose(self, batch: "InputBatch", rows: np.ndarray, num_drafts: np.ndarray) -> list[list[int]]:
+    def propose(self, batch: Any, rows: np.ndarray, num_drafts: np.ndarray) -> list[list[int]]:
         """Up to num_drafts[i] tokens to follow the request in batch row rows[i]. Its tokens so far (prompt
         and output, the one just sampled included) are batch.token_ids[row, :batch.num_tokens[row]].
-        Fewer (or none) is allowed."""
+        Fewer (or none) is allowed. batch: the worker's InputBatch (worker/input_batch.py; spec_decode sits
+        below the worker, so it is not imported here)."""
         ...

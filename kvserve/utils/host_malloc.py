@@ -18,7 +18,7 @@ import ctypes
 import ctypes.util
 import logging
 
-from kvserve import envs
+import kvserve.envs as envs
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,14 @@
 """Executor: how the engine core reaches its workers. UniprocExecutor: one worker in this process; the
 tensor-parallel executor (worker/tp_executor.py: a driver plus worker processes over torch.distributed)
-implements the same calls. make_executor picks one from the parallel config."""
+implements the same calls. make_executor picks one from the parallel config.
+
+The engine core learns what it needs to know about the workers (the KV cache spec, the step-cost knee) from
+these calls alone: it imports no worker-side module."""
 from __future__ import annotations
 
 from kvserve.config.engine import EngineConfig
+from kvserve.core_types import ModelRunnerOutput, SchedulerOutput
 from kvserve.kv_cache.layout import KVCacheSpec
-from kvserve.scheduler.output import SchedulerOutput
-from kvserve.worker.runner_output import ModelRunnerOutput
 from kvserve.worker.worker import Worker
 
 
@@ -23,6 +25,9 @@ class UniprocExecutor:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(out)
+
+    def step_cost_knee(self) -> int:
+        return self.worker.step_cost_knee()
 
     def shutdown(self) -> None:
         pass

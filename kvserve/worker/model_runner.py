@@ -12,17 +12,16 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionBackend
+from kvserve.core_types import ModelRunnerOutput, SchedulerOutput
 from kvserve.kv_cache.layout import KVCacheSpec
-from kvserve.kv_cache.pool import KVPool
-from kvserve.lora.manager import LoRAManager
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sample.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from kvserve.sample.sampler import Sampler
-from kvserve.scheduler.output import SchedulerOutput
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.worker.cuda_graph import CudaGraphRunner
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
-from kvserve.worker.runner_output import ModelRunnerOutput
+from kvserve.worker.kv_pool import KVPool
+from kvserve.worker.lora_manager import LoRAManager
 from kvserve.worker.sampling import sample_step
 from kvserve.worker.step_inputs import StepInputs, build_step_inputs
 

@@ -16,7 +16,7 @@ import torch
 from kvserve.sample.rejection_sampler import accept_prefix, rewind_generator
 from kvserve.sample.sampler import Sampler
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
-from kvserve.worker.runner_output import ModelRunnerOutput
+from kvserve.core_types import ModelRunnerOutput
 from kvserve.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)

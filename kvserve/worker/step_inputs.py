@@ -15,7 +15,7 @@ import torch
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.kv_cache.layout import slot_mapping
 from kvserve.sample.metadata import GrammarBitmask
-from kvserve.scheduler.output import SchedulerOutput
+from kvserve.core_types import SchedulerOutput
 from kvserve.worker.input_batch import InputBatch
 
 

@@ -27,10 +27,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from kvserve.config.engine import EngineConfig
+from kvserve.core_types import ModelRunnerOutput, SchedulerOutput
 from kvserve.distributed.comm import TPGroup
 from kvserve.kv_cache.layout import KVCacheSpec
-from kvserve.scheduler.output import SchedulerOutput
-from kvserve.worker.runner_output import ModelRunnerOutput
 from kvserve.worker.tp_worker import StepMessage, WorkerSpec, driver_lora_slots, hello_key, ready_key
 from kvserve.worker.worker import Worker
 
@@ -55,6 +54,9 @@ class DriverCalls:
     def init_kv_cache(self, num_blocks: int) -> KVCacheSpec:
         self._collective(lambda: self.group.broadcast_object(num_blocks))
         return self.worker.init_kv_cache(num_blocks)
+
+    def step_cost_knee(self) -> int:
+        return self.worker.step_cost_knee()
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self._failed is not None:

@@ -15,12 +15,11 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from kvserve import envs
+import kvserve.envs as envs
 from kvserve.config.engine import EngineConfig
+from kvserve.core_types import ModelRunnerOutput, SchedulerOutput
 from kvserve.distributed.comm import TPGroup
 from kvserve.kv_cache.layout import KVCacheSpec
-from kvserve.scheduler.output import SchedulerOutput
-from kvserve.worker.runner_output import ModelRunnerOutput
 from kvserve.worker.tp_worker import StepMessage, driver_lora_slots, follow, rank_config
 from kvserve.worker.worker import Worker
 
@@ -62,6 +61,9 @@ class ExternalLauncherExecutor:
     def init_kv_cache(self, num_blocks: int) -> KVCacheSpec:
         self.group.broadcast_object(num_blocks)
         return self.worker.init_kv_cache(num_blocks)
+
+    def step_cost_knee(self) -> int:
+        return self.worker.step_cost_knee()
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.group.broadcast_object(StepMessage(out, self._sampled, driver_lora_slots(self.worker, out)))

@@ -20,7 +20,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from kvserve.config.engine import EngineConfig
-from kvserve.scheduler.output import SchedulerOutput
+from kvserve.core_types import SchedulerOutput
 
 logger = logging.getLogger("kvserve")
 

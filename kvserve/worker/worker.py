@@ -18,28 +18,28 @@ from kvserve.attention.registry import make_backend
 from kvserve.config.engine import EngineConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.quantization import QuantizationConfig
+from kvserve.core_types import ModelRunnerOutput, SchedulerOutput
 from kvserve.kv_cache.layout import KVCacheSpec
-from kvserve.kv_cache.pool import KVPool
 from kvserve.kv_cache.quant import SCALE_DTYPE, dtype_name, is_quantized, resolve_kv_cache_dtype
 from kvserve.layers.linear_methods import default_method
 from kvserve.layers.lora import LoRABatch, LoRAMethod
 from kvserve.layers.parallel import ShardContext
-from kvserve.layers.quant import check_layers, make_head_method, make_linear_method, weight_bytes
-from kvserve.lora.manager import LoRAManager
-from kvserve.models.dummy import initialize_dummy_weights
+from kvserve.layers.quant import check_layers, make_head_method, make_linear_method, step_cost_knee, weight_bytes
+from kvserve.model_loader.dummy import initialize_dummy_weights
+from kvserve.model_loader.loader import iter_checkpoint_tensors
+from kvserve.model_loader.weight_loader import load_weights
+from kvserve.models.build import build_model
 from kvserve.models.layer_ops import load_fused_layer_ops
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import build_model, iter_checkpoint_tensors
-from kvserve.models.weight_loader import load_weights
-from kvserve.scheduler.output import SchedulerOutput
 from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.utils.host_malloc import keep_freed_memory
 from kvserve.worker.cuda_graph import CudaGraphRunner
+from kvserve.worker.kv_pool import KVPool
+from kvserve.worker.lora_manager import LoRAManager
 from kvserve.worker.memory_plan import CudaMemoryPlan, plan_cuda_memory
 from kvserve.worker.model_runner import ModelRunner
-from kvserve.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("kvserve")
 
@@ -96,7 +96,7 @@ class Worker:
         if self.config.load.load_format == "dummy":
             initialize_dummy_weights(model, self.config.seed)
         else:
-            # NOTE: a sharded rank reads only its slices of each tensor (models/lazy_tensor.py)
+            # NOTE: a sharded rank reads only its slices of each tensor (model_loader/lazy_tensor.py)
             load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype, keep_blocks=quant.method == "gguf",
                                                         lazy=shard.size > 1))
         model.eval()
@@ -214,8 +214,14 @@ class Worker:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return DraftModelProposer(self.draft_model, self.backend, self.kv_cache_spec(num_blocks, self.draft_model),
-                                  self.device)
+        draft_spec = self.kv_cache_spec(num_blocks, self.draft_model)
+        pool = KVPool.allocate(draft_spec, self.backend, self.device)
+        return DraftModelProposer(self.draft_model, self.backend, pool.layers, draft_spec.block_size, self.device)
+
+    def step_cost_knee(self) -> int:
+        """Step tokens up to which a step of this model costs more per token (layers/quant step_cost_knee; 0:
+        no such knee): the engine core's step-cost model learns it through the executor."""
+        return step_cost_knee(self.config.quantization, self.device.type)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import CachedRequestData, SchedulerOutput
+from kvserve.core_types import CachedRequestData, SchedulerOutput
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
 from kvserve.worker.step_inputs import (attention_rows, build_step_inputs, grammar_rows, logits_layout, step_order,
                                         token_positions)

@@ -5,7 +5,7 @@ from kvserve.config.scheduler import SchedulerConfig
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.chunking import ChunkSizer, latency_budget, observe_step_cost, prefill_chunk_cap
-from kvserve.scheduler.output import CachedRequestData, SchedulerOutput
+from kvserve.core_types import CachedRequestData, SchedulerOutput
 from kvserve.scheduler.step_cost import MIN_PROMPT_CHUNK, LinearStepCost, StepFeatures
 
 

@@ -23,9 +23,9 @@ from torch import nn
 from kvserve.layers.linear_methods import OneDNNPackedMethod
 from kvserve.layers.quant import kernels
 from kvserve.layers.quant.gguf import GGUFMethod
-from kvserve.layers.quant.gguf_blocks import GGUFWeight
 from kvserve.layers.quant.int4 import Int4WeightOnlyMethod, quantize_int4
 from kvserve.layers.quant.int8 import Int8WeightOnlyMethod, quantize_int8
+from kvserve.model_loader.gguf_blocks import GGUFWeight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2: qkv, o, gate_up, down
 LM_HEAD = (49152, 576)

@@ -1,6 +1,6 @@
 """`--quantization gguf`: a GGUF file's Q4_0 / Q4_1 / Q8_0 linear weights kept in their blocks' precision.
 
-The loader yields such weights as GGUFWeight (gguf_blocks.py) instead of dequantizing them; the layer records
+The loader yields such weights as GGUFWeight (model_loader/gguf_blocks.py) instead of dequantizing them; the layer records
 each part where it belongs (fused q/k/v, gate/up rows: `LinearBase.checkpoint_parts`), and this method
 repacks them once loading is done: Q4_0/Q4_1 onto the int4 kernel, Q8_0 onto the int8 kernel, both group 32
 with the file's own scales and mins (no requantization). A layer whose parts are not all of one kernel's
@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve import envs
+import kvserve.envs as envs
 from kvserve.layers.linear_methods import LinearMethod
 from kvserve.layers.quant import kernels
 from kvserve.layers.quant.common import drop_dense_weight
-from kvserve.layers.quant.gguf_blocks import Q4_TYPES, Q8_TYPES, QK, q4_blocks, q8_0_blocks
+from kvserve.model_loader.gguf_blocks import Q4_TYPES, Q8_TYPES, QK, q4_blocks, q8_0_blocks
 
 
 class GGUFMethod:

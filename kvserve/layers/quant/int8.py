@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve import envs
+import kvserve.envs as envs
 from kvserve.config.quantization import GROUP_SIZES, PER_CHANNEL
 from kvserve.layers.quant import kernels
 from kvserve.layers.quant.common import check_group_size, drop_dense_weight

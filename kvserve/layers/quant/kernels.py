@@ -57,7 +57,7 @@ class DenseScratch:
 
 @functools.lru_cache(maxsize=1)
 def _module():
-    from kvserve.attention.cpu_kernels import build_extension
+    from kvserve.utils.cpp_extension import build_extension
 
     return build_extension("kvserve_quant_linear", _SOURCE, "weight-only quantized linear")
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from kvserve.models.lazy_tensor import materialize
+from kvserve.model_loader.lazy_tensor import materialize
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

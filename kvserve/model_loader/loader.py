@@ -1,5 +1,6 @@
 """Where a model comes from (Hugging Face folder, llama GGUF, or the built-in SmolLM2 GGUF): its config,
-tokenizer and checkpoint tensors, and the network built from its config (models/weight_loader.py fills it).
+tokenizer and checkpoint tensors. The network built from its config is models/build.py's (weight_loader.py
+fills it).
 """
 from __future__ import annotations
 
@@ -11,13 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend
 from kvserve.kv_cache.sizing import attention_shape
-from kvserve.layers.linear_methods import LinearMethod
-from kvserve.layers.parallel import ShardContext
-from kvserve.models.lazy_tensor import safetensors_lazy
-from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.registry import resolve_architecture
+from kvserve.model_loader.lazy_tensor import safetensors_lazy
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +28,7 @@ class ModelSource:
     @classmethod
     def resolve(cls, model: str | None) -> "ModelSource":
         if model is None:
-            from kvserve.models.gguf_loader import builtin_model_path
+            from kvserve.model_loader.gguf_loader import builtin_model_path
             return cls("gguf", builtin_model_path())
         if model.endswith(".gguf"):
             if not os.path.isfile(model):
@@ -48,7 +44,7 @@ class ModelSource:
 
 def load_hf_config(source: ModelSource):
     if source.kind == "gguf":
-        from kvserve.models.gguf_loader import load_gguf_config
+        from kvserve.model_loader.gguf_loader import load_gguf_config
         cfg = load_gguf_config(source.path)
     else:
         from transformers import AutoConfig
@@ -66,9 +62,9 @@ def normalize_config(cfg):
 def load_tokenizer(source: ModelSource, allow_missing: bool = False):
     """allow_missing (--load-format dummy): a folder with no tokenizer files gets models.dummy.IdTokenizer."""
     if source.kind == "gguf":
-        from kvserve.models.gguf_loader import load_gguf_tokenizer
+        from kvserve.model_loader.gguf_loader import load_gguf_tokenizer
         return load_gguf_tokenizer(source.path)
-    from kvserve.models.dummy import IdTokenizer, has_tokenizer
+    from kvserve.model_loader.dummy import IdTokenizer, has_tokenizer
     if allow_missing and not has_tokenizer(source.path):
         logger.warning("%s has no tokenizer: prompts must be token ids, outputs are ids", source.path)
         return IdTokenizer()
@@ -79,10 +75,10 @@ def load_tokenizer(source: ModelSource, allow_missing: bool = False):
 def iter_checkpoint_tensors(source: ModelSource, dtype: torch.dtype, keep_blocks: bool = False,
                             lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """keep_blocks: a GGUF file's quantized linear weights as stored (gguf_loader.iter_gguf_tensors).
-    lazy: 2-D tensors come as LazyTensors (models/lazy_tensor.py) that a sharded layer narrows to its slice
+    lazy: 2-D tensors come as LazyTensors (model_loader/lazy_tensor.py) that a sharded layer narrows to its slice
     before anything is read; each must be used before the next is asked for (the file closes after)."""
     if source.kind == "gguf":
-        from kvserve.models.gguf_loader import iter_gguf_tensors
+        from kvserve.model_loader.gguf_loader import iter_gguf_tensors
         yield from iter_gguf_tensors(source.path, dtype, keep_blocks, lazy)
         return
     from safetensors import safe_open
@@ -93,19 +89,3 @@ def iter_checkpoint_tensors(source: ModelSource, dtype: torch.dtype, keep_blocks
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, safetensors_lazy(f, name, dtype) if lazy else f.get_tensor(name).to(dtype)
-
-
-def build_model(hf_config, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-                device: torch.device, method: LinearMethod, shard: ShardContext = ShardContext(),
-                head_method: LinearMethod | None = None) -> LlamaForCausalLM:
-    """The network with uninitialised weights on `device` (fill it with weight_loader.load_weights).
-    head_method: the LM head's, when it differs from the decoder layers' (quantized layers, full-precision head)."""
-    _, feats = resolve_architecture(hf_config)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, feats, backend, max_positions, method, shard, head_method)
-    model = model.to_empty(device=device).to(dtype)
-    if model.lm_head.tied:  # to_empty gave the head its own storage: share the embedding's again
-        model.lm_head.weight = model.embed_tokens.weight
-    # Buffers are not in the checkpoint: recompute the RoPE tables on the real device.
-    model.rope = type(model.rope)(hf_config, max_positions).to(device)
-    return model

@@ -1,7 +1,17 @@
-"""Supported architectures, keyed by the `architectures` field of a Hugging Face config."""
+"""Supported architectures, keyed by the `architectures` field of a Hugging Face config, and what each changes
+in the Llama network (models/llama.py). Read when a config is resolved, before any model code is imported."""
 from __future__ import annotations
 
-from kvserve.models.llama import ArchFeatures
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArchFeatures:
+    """What distinguishes the supported architectures from plain Llama."""
+
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False   # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
 
 ARCHITECTURES: dict[str, ArchFeatures] = {
     "LlamaForCausalLM": ArchFeatures(),

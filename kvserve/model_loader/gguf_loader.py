@@ -314,7 +314,7 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32, keep_blocks
     """Yield `(hf_name, tensor)` for every tensor of a `llama` GGUF file, dequantized.
 
     keep_blocks (`--quantization gguf`): the decoder layers' linear weights stored as Q4_0, Q4_1 or Q8_0 come
-    out as `GGUFWeight` (layers/quant/gguf_blocks.py: the file's blocks, rows in HF order) instead; every
+    out as `GGUFWeight` (model_loader/gguf_blocks.py: the file's blocks, rows in HF order) instead; every
     other tensor (norms, the embedding, the LM head, other block types) is dequantized as usual.
 
     Tensors come out in HF layout (`[out_features, in_features]` for linear weights) with
@@ -324,7 +324,7 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32, keep_blocks
 
     Each tensor is dequantized (in float32, by `gguf.quants.dequantize`) only when reached,
     then cast to `dtype`; peak memory is one tensor beyond what the caller keeps. lazy (a tensor-parallel
-    rank): 2-D tensors come as LazyTensors (models/lazy_tensor.py): only the rows and columns a layer
+    rank): 2-D tensors come as LazyTensors (model_loader/lazy_tensor.py): only the rows and columns a layer
     narrows them to are dequantized.
 
     Raises:
@@ -348,7 +348,7 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32, keep_blocks
             hint = " (rope_freqs.weight is Llama-3.1-style RoPE frequency scaling, which is not supported)"
         raise ValueError(f"{path}: GGUF tensors with no HF Llama counterpart: {', '.join(unknown)}{hint}")
 
-    from kvserve.layers.quant.gguf_blocks import KEPT_TYPES, GGUFWeight
+    from kvserve.model_loader.gguf_blocks import KEPT_TYPES, GGUFWeight
 
     for tensor in reader.tensors:
         hf_name = names[tensor.name]
@@ -384,7 +384,7 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32, keep_blocks
 
 def _lazy_tensor(tensor, config, dtype: torch.dtype):
     """A 2-D GGUF tensor as a LazyTensor in HF layout (Q/K rows un-permuted by index, nothing read yet)."""
-    from kvserve.models.lazy_tensor import gguf_lazy
+    from kvserve.model_loader.lazy_tensor import gguf_lazy
 
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     data = np.asarray(tensor.data).reshape(shape[0], -1)                  # [out, entries per row]

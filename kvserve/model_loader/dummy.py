@@ -16,8 +16,9 @@ import os
 import torch
 from torch import nn
 
-CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
-"""Real models' config.json files, one folder each (usable as --model with --load-format dummy)."""
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "configs")
+"""Real models' config.json files, one folder each (usable as --model with --load-format dummy); they ship with
+the model code, in kvserve/models/configs."""
 _STD = 0.02
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 

@@ -1,4 +1,5 @@
-"""The KV pool: the tensors every layer's cache is a view of, allocated once from a KVCacheSpec."""
+"""The KV pool: the tensors every layer's cache is a view of, allocated once from a KVCacheSpec in the layout the
+attention backend asks for (the worker owns it; kv_cache/ describes the layout and knows nothing of attention)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
