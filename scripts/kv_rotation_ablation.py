@@ -4,7 +4,7 @@ swapped for the identity in this process), everything else as the engine runs it
     python scripts/kv_rotation_ablation.py [bench quality flags...]
 
 e.g. `python scripts/kv_rotation_ablation.py --quantization "" --kv-cache-dtype int8,fp8_e4m3`; compare with the
-same `kvserve bench quality` command (README "Quantized KV cache"). The reference, a float32 cache, is never
+same `kvserve bench quality` command (docs/features/kv-cache-quantization.md). The reference, a float32 cache, is never
 rotated either way.
 """
 from __future__ import annotations

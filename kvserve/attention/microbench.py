@@ -1,4 +1,4 @@
-"""`python -m kvserve.attention.microbench`: per-layer attention timings behind the README's figures.
+"""`python -m kvserve.attention.microbench`: per-layer attention timings behind docs/features/cpu-kernels.md's figures.
 
 - stream: the machine's read bandwidth (a sum over a tensor far larger than the caches, all threads), the
   ceiling a memory-bound decode is measured against;

@@ -22,6 +22,7 @@ from kvserve.bench.serve import _stats
 from kvserve.bench.workload import WorkloadRequest, load_workload
 from kvserve.cli.standalone import standalone_main
 from kvserve.config import EngineArgs
+from kvserve.config.engine_args import DEFAULT_TARGET_ITL_MS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder holding interference.jsonl and mixed.jsonl")
     parser.add_argument("--targets", default=None,
                         help="comma-separated --target-itl-ms values to compare (default: the engine's "
-                             "--target-itl-ms, or 150 where that is 0, then 0)")
+                             f"--target-itl-ms, or {DEFAULT_TARGET_ITL_MS:g} where that is 0, then 0)")
     parser.add_argument("--mixed-requests", type=int, default=None,
                         help="run only the first N requests of mixed (a quicker, rougher check; default: all)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
@@ -90,7 +91,7 @@ def measure(args: EngineArgs, interference: list[WorkloadRequest], mixed: list[W
 def run(args: argparse.Namespace) -> int:
     base = EngineArgs.from_cli(args)
     if args.targets is None:
-        targets = [base.target_itl_ms or 150.0, 0.0]  # NOTE: 150: the intended default (README)
+        targets = [base.target_itl_ms or DEFAULT_TARGET_ITL_MS, 0.0]
     else:
         try:
             targets = [float(t) for t in args.targets.split(",") if t.strip()]

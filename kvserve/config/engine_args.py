@@ -28,11 +28,11 @@ from kvserve.utils.sizes import parse_size
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # NOTE: on by default: exact, and self-limiting where proposals are poor (`kvserve bench spec`: never slower
-# on the shared workloads; see README "Speculative decoding").
+# on the shared workloads; docs/features/speculative-decoding.md).
 DEFAULT_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                               '"prompt_lookup_max": 5}')
 # NOTE: 150 ms: about 3.5x a 16-request SmolLM2 decode step on a 2-core CPU, where `kvserve bench itl` trades
-# the short requests' ITL p99 against `mixed` throughput best (README, "Latency-aware step budget").
+# the short requests' ITL p99 against `mixed` throughput best (docs/features/latency-budget.md).
 DEFAULT_TARGET_ITL_MS = 150.0
 _ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "torch_sdpa", "triton_paged")
 

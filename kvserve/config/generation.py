@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-# NOTE: with the model card's example (temperature 0.2, top_p 0.9, 50 new tokens) the README's question is
+# NOTE: with the model card's example (temperature 0.2, top_p 0.9, 50 new tokens) the quick start's question is
 # sometimes answered "L'Étoile, la Marseillaise, la femme, la femme...": the first tokens "The" and "L" are
 # nearly tied. Cooler, narrower sampling plus a light repetition penalty keeps to "The capital of France is
 # Paris." (tests/test_generation_config.py holds it to 9 of 10 seeded runs through the server).

@@ -64,7 +64,7 @@ def resolve_dtype(name: str, device: torch.device, stored: torch.dtype | None = 
         if device.type == "cuda":
             return torch.bfloat16
         # NOTE: on a CPU with native bf16, `kvserve bench quality --dtype bfloat16` gives 97.4% top-1 agreement
-        # with fp32 (README, "bfloat16 on CPU"): above the 97% bar int8 weights are held to, and 1.3-2x faster.
+        # with fp32 (docs/features/bf16.md): above the 97% bar int8 weights are held to, and 1.3-2x faster.
         # Without AVX512_BF16/AMX (the AVX2 CPUs we also target) bf16 matmuls run under 1 GFLOP/s.
         if stored in (torch.bfloat16, torch.float16) and cpu_features.native_bf16():
             return torch.bfloat16

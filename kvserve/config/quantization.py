@@ -9,7 +9,7 @@ INT4_GROUP_SIZES = GROUP_SIZES
 PER_CHANNEL = -1
 """--quantization-group-size -1: int8 with one scale per output channel (GPTQ's `group_size: -1`)."""
 DEFAULT_GROUP_SIZE = {"int8": 32, "int4": 128}
-"""int8's group 32 is the Q8_0 layout (README, Quantization: it meets the 97% top-1 target where one scale
+"""int8's group 32 is the Q8_0 layout (docs/features/quantization.md: it meets the 97% top-1 target where one scale
 per channel does not); int4's 128 is the usual GPTQ/AWQ group."""
 LM_HEAD_GROUP_SIZE = 32
 """The quantized LM head is int8 with a scale per 32 inputs: llama.cpp's Q8_0, the type GGUF files (the

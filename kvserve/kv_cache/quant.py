@@ -9,8 +9,8 @@ torch.float8_e4m3fn (qmax 448, 3 mantissa bits: relative error <= 2^-4 per eleme
 A scale per block rather than per token: 2 bytes per 16 tokens instead of per token, so a head_dim-64 cache
 holds 3.99x a float32 cache's tokens instead of 3.88x. Without the rotation one scale per block cost int8
 a point of top-1 agreement on SmolLM2 (a token with a large channel coarsened its 15 neighbours' grid);
-with it the block layout is within 0.2 points of a scale per token and above the issue's 98% (README
-"Quantized KV cache").
+with it the block layout is within 0.2 points of a scale per token and above 98% top-1 agreement
+(docs/features/kv-cache-quantization.md).
 
 Tokens reach a block over several writes (chunks, decodes), so its scale is set by the first write at its
 offset 0 and grows when a later write needs more: the block's earlier codes are then requantized to the

@@ -7,8 +7,8 @@ Why: quantization error is set by each scale's range, and K/V rows have a few ch
 rest (RoPE's low frequencies, the "massive" channels). R spreads every channel over all of head_dim, so a
 row's (and a block's) absmax comes down toward its RMS and the same byte holds more of each element
 (QuaRot and SpinQuant rotate K/V for the same reason). On SmolLM2 it cut the int8 cache's KL to the fp32
-model by 4x at one scale per token, and is what lets one scale per block meet the 98% top-1 bar (README
-"Quantized KV cache"). The attention itself is unchanged up to float rounding, so an unquantized cache is
+model by 4x at one scale per token, and is what lets one scale per block meet 98% top-1 agreement
+(docs/features/kv-cache-quantization.md). The attention itself is unchanged up to float rounding, so an unquantized cache is
 never rotated.
 
 R is the Sylvester Hadamard matrix scaled by 1/sqrt(n), for the largest power of two n that divides head_dim,

@@ -74,7 +74,7 @@ class StepCost(Protocol):
 
 # Units the coefficients are fitted in, so that each is O(1) and the solves are well conditioned.
 _SCALE = np.array([1.0, 256.0, 16.0, 16384.0, 262144.0, 16.0])
-# Prior in seconds per unit above: SmolLM2-135M fp32 on 2 cores (README: a 16-decode step ~55 ms, a
+# Prior in seconds per unit above: SmolLM2-135M fp32 on 2 cores (docs/features/latency-budget.md: a 16-decode step ~55 ms, a
 # 32-64-decode step of `mixed` ~165 ms, a 512-token prompt step ~450 ms): ~35 ms a step (the weights are
 # read once a step), ~0.6 ms a token through the linears, ~0.1 ms a sequence, ~2.5 us a context token
 # (46 KB of K/V at ~17 GB/s), ~0.4 us a query-key pair. A larger model or a faster machine corrects it

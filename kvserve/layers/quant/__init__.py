@@ -3,7 +3,7 @@
 The decoder layers' projections (qkv, o, gate/up, down) run the chosen method. The LM head runs int8 with a
 scale per 32 inputs (GGUF's Q8_0, the type llama.cpp stores the output matrix in) unless
 `--no-quantize-lm-head`: it is read in full every decode step, and in float32 SmolLM2's tied 49152 x 576
-head is as many bytes as all its int8 decoder layers (README, Quantization, has its quality cost). The token
+head is as many bytes as all its int8 decoder layers (docs/features/quantization.md has its quality cost). The token
 embedding stays in full precision: it is a lookup (one row per token: its bytes are never read in bulk), so
 a tied head holds its own int8 copy beside it. Activations stay float32 (inside the C++ kernel at one or two
 rows, a 16-bit fixed-point copy per 32 columns unless KVSERVE_QUANT_FIXED_POINT=0: kernels.py).
