@@ -8,7 +8,7 @@
 # Run from anywhere: it works in the repository root. Needs no network: it uses the Python that has torch
 # with CUDA (PYTHON=..., else .venv/bin/python, else python3) and the source tree on PYTHONPATH; wheels of
 # anything missing may be carried in ./.whl (installed with --no-index into a scratch folder).
-# Env: PYTHON, KVSERVE_WORKLOAD (mixed.jsonl; default: ./shared, ../shared, /work/shared, else synthetic
+# Env: PYTHON, KVSERVE_WORKLOAD (mixed.jsonl; default: the packaged kvserve/bench/workloads, ./shared, ../shared, /work/shared, else synthetic
 # prompts of its lengths), GPU_CHECK_OUT (results folder; default $OUT or /tmp/kvserve-gpu-check).
 # Exit status: 0 only if every stage ran and passed; the table says which did not.
 set -uo pipefail
@@ -45,7 +45,7 @@ fi
 
 WORKLOAD=${KVSERVE_WORKLOAD:-}
 if [ -z "$WORKLOAD" ]; then
-    for w in shared/workloads/mixed.jsonl ../shared/workloads/mixed.jsonl /work/shared/workloads/mixed.jsonl; do
+    for w in kvserve/bench/workloads/mixed.jsonl shared/workloads/mixed.jsonl ../shared/workloads/mixed.jsonl /work/shared/workloads/mixed.jsonl; do
         [ -f "$w" ] && { WORKLOAD=$w; break; }
     done
 fi

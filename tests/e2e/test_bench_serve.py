@@ -2,62 +2,18 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvserve.bench import serve as bench
-
-WORKLOAD_SRC = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "mixed.jsonl"
-
-
-@pytest.fixture(scope="module")
-def base_url(tiny_llama, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("bench_server") / "server.log"
-    cmd = [sys.executable, "-m", "kvserve.server.cli", "--model", tiny_llama[0], "--port", "0", "--num-threads", "1",
-           "--kv-cache-memory", "16MiB", "--no-access-log", "--stats-interval", "0"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = None
-        for _ in range(300):
-            text = log_path.read_text(errors="replace")
-            assert proc.poll() is None, text
-            if url is None and "serving on " in text:
-                url = text.split("serving on ", 1)[1].split()[0]
-            if url is not None:
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-
-
-def _workload(path, lengths: list[tuple[int, int]]) -> str:
-    """Requests with the given (prompt tokens, max_tokens), token ids taken from the real `mixed` workload."""
-    with open(WORKLOAD_SRC) as f:
-        ids = json.loads(f.readline())["prompt_token_ids"]
-    with open(path, "w") as f:
-        for i, (num_prompt, max_tokens) in enumerate(lengths):
-            prompt = (ids * (num_prompt // len(ids) + 1))[i:i + num_prompt]
-            f.write(json.dumps({"id": str(i), "prompt_token_ids": prompt, "max_tokens": max_tokens,
-                                "ignore_eos": True, "arrival_s": 0.0}) + "\n")
-    return str(path)
+from kvserve.bench.workload import workload_path
+from tests.helpers.bench import workload_like_mixed
 
 
 def test_replays_a_workload_and_reports_json(base_url, tmp_path, capsys):
     lengths = [(40, 8), (20, 5), (64, 12), (33, 3), (50, 9), (17, 6)]
-    workload = _workload(tmp_path / "w.jsonl", lengths)
+    workload = workload_like_mixed(tmp_path / "w.jsonl", lengths)
     assert bench.main(["--base-url", base_url, "--workload", workload, "--concurrency", "4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["completed"] == 6 and result["failed"] == 0
@@ -71,7 +27,7 @@ def test_replays_a_workload_and_reports_json(base_url, tmp_path, capsys):
 
 
 def test_table_output_and_failed_requests(base_url, tmp_path, capsys):
-    workload = _workload(tmp_path / "w.jsonl", [(16, 4), (1100, 4), (16, 4)])  # 1100 > max_model_len
+    workload = workload_like_mixed(tmp_path / "w.jsonl", [(16, 4), (1100, 4), (16, 4)])  # 1100 > max_model_len
     assert bench.main(["--base-url", base_url, "--workload", workload, "--request-rate", "20"]) == 0
     out = capsys.readouterr().out
     assert "Successful requests:" in out and "P99 ITL (ms):" in out and "Output token throughput" in out
@@ -106,7 +62,7 @@ def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     workload = tmp_path / "w.jsonl"
-    workload.write_text(WORKLOAD_SRC.read_text().splitlines()[0] + "\n")
+    workload.write_text(Path(workload_path("mixed")).read_text().splitlines()[0] + "\n")
     for command in (["bench", "serve"], ["bench", "sweep", "--rates", "1", "--output", str(tmp_path / "s.json")]):
         assert main([*command, "--base-url", f"http://127.0.0.1:{port}", "--workload", str(workload)]) == 2
         assert f"kvserve: error: cannot reach http://127.0.0.1:{port}" in capsys.readouterr().err

@@ -8,9 +8,9 @@ import struct
 import zlib
 
 import pytest
-from test_bench_serve import _workload, base_url  # noqa: F401 (a fixture: the tiny-model server)
 
 from kvserve.bench import sweep, sweep_plot
+from tests.helpers.bench import workload_like_mixed
 
 
 def _assert_png(path) -> None:
@@ -32,7 +32,7 @@ def _assert_png(path) -> None:
 
 
 def test_sweep_two_rates_writes_json_and_png(base_url, tmp_path, capsys):  # noqa: F811
-    workload = _workload(tmp_path / "w.jsonl", [(30, 5), (20, 4), (40, 6), (25, 3)])
+    workload = workload_like_mixed(tmp_path / "w.jsonl", [(30, 5), (20, 4), (40, 6), (25, 3)])
     out = tmp_path / "res" / "tiny.json"
     assert sweep.main(["--base-url", base_url, "--workload", workload, "--rates", "4,inf", "--label", "tiny",
                        "--output", str(out)]) == 0

@@ -167,7 +167,7 @@ def test_replay_path_pads_and_matches_transformers_on_cpu(tiny_llama):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs Triton's interpreter (no CUDA here) or a GPU (the gpu tests)")
-    from conftest import run_to_completion
+    from tests.helpers.engine import run_to_completion
     from kvserve.config import EngineArgs
     from kvserve.engine.engine import Engine
     from kvserve.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ import pytest
 
 from kvserve.models.dummy import builtin_config_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

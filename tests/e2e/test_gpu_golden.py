@@ -10,8 +10,9 @@ import random
 import pytest
 import torch
 
-from conftest import check_engine_invariants
-from golden_helpers import count_identical_else_near_tie, hf_greedy, run_engine, smollm2_requests
+from tests.helpers.engine import check_engine_invariants
+from tests.helpers.golden import count_identical_else_near_tie, run_engine, smollm2_requests
+from tests.helpers.oracles import hf_greedy
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 

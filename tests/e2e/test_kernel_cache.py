@@ -27,7 +27,7 @@ int64_t add(int64_t a, int64_t b) { return a + b; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add); }
 """
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _checkout(root: Path, name: str) -> Path:
@@ -141,7 +141,7 @@ def test_kernel_sources_build_without_avx512():
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         pytest.skip("no C++ compiler")
-    root = os.path.join(os.path.dirname(__file__), "..", "kvserve")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "kvserve")
     sources = sorted(glob.glob(os.path.join(root, "**", "csrc", "*.cpp"), recursive=True))
     assert len(sources) >= 3
     includes = [f"-I{p}" for p in include_paths() + [sysconfig.get_paths()["include"]]]

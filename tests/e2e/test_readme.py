@@ -31,7 +31,7 @@ import pytest
 from conftest import make_tiny_checkpoint
 from test_server import start_server, stop_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 LANGS = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 # placeholder path -> the fixture that makes what it stands for

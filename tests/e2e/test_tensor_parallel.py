@@ -14,26 +14,13 @@ import time
 import pytest
 import torch
 
-from conftest import check_engine_invariants, make_tiny_checkpoint
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import check_engine_invariants
+from tests.helpers.tensor_parallel import TP_ARGS, run_tp, tp_mixed_batch
 from kvserve.config import EngineArgs
 from kvserve.engine.llm import LLM
 from kvserve.layers.parallel import ShardContext
 from kvserve.sampling_params import SamplingParams
-
-# Small pool and budget: the mixed batch below runs chunked prefills, prefix hits, ngram drafts and
-# preemptions in both engines (the same schedule, since both have the same blocks).
-_ARGS = dict(num_gpu_blocks_override=24, block_size=4, max_num_batched_tokens=24, max_num_seqs=4,
-             num_threads=1)
-
-
-def _mixed_batch():
-    shared = list(range(100, 140))
-    prompts = [shared + [7, 8, 9], shared + [11, 12], list(range(1000, 1061)), [5, 6, 5, 6, 5, 6, 5, 6],
-               [42], [3, 1, 4, 1, 5, 9, 2, 6]]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (9, 14, 6, 20, 11, 8)]
-    params[2] = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
-    return prompts, params
-
 
 def _pids_alive(pids):
     alive = []
@@ -51,30 +38,16 @@ def _pids_alive(pids):
 @pytest.fixture(scope="module")
 def engines(tiny_llama):
     path = tiny_llama[0]
-    tp1 = LLM(path, **_ARGS)
-    tp2 = LLM(path, tensor_parallel_size=2, **_ARGS)
+    tp1 = LLM(path, **TP_ARGS)
+    tp2 = LLM(path, tensor_parallel_size=2, **TP_ARGS)
     yield tp1, tp2
     tp2.shutdown()
 
 
-def _run(llm: LLM, prompts, params):
-    """Add every request, step to the end with block invariants checked after each step."""
-    engine = llm.engine
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        check_engine_invariants(engine)
-    return [done[str(i)] for i in range(len(prompts))]
-
-
 def test_tp2_matches_tp1_on_a_mixed_batch(engines):
     tp1, tp2 = engines
-    prompts, params = _mixed_batch()
-    ref, out = _run(tp1, prompts, params), _run(tp2, prompts, params)
+    prompts, params = tp_mixed_batch()
+    ref, out = run_tp(tp1, prompts, params), run_tp(tp2, prompts, params)
     assert tp2.engine.scheduler.stats.num_preemptions > 0  # the small pool preempted (same in both)
     assert tp2.engine.scheduler.stats.num_prefix_hit_tokens > 0
     assert tp2.engine.scheduler.stats.num_spec_drafts > 0
@@ -252,7 +225,7 @@ def test_sigterm_to_the_driver_ends_its_workers(tiny_llama, tmp_path):
         f"llm = LLM({tiny_llama[0]!r}, tensor_parallel_size=2, kv_cache_memory='8MiB', num_threads=1)\n"
         "print(*llm.engine.core.executor.worker_pids, flush=True)\n"
         "time.sleep(600)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": root})
     try:

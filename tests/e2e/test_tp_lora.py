@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_engine_invariants, make_tiny_checkpoint
-from test_lora import ADAPTERS, _make_adapter
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import check_engine_invariants
+from tests.helpers.lora import ADAPTERS, make_adapter
 
 from kvserve import LoRARequest
 from kvserve.config import EngineArgs
@@ -25,7 +26,7 @@ def setup(tmp_path_factory):
     requests = {}
     for i, name in enumerate(("mlp_rs", "all")):
         targets, rslora = ADAPTERS[name]
-        _make_adapter(base, str(root / name), targets, rslora, seed=20 + i)
+        make_adapter(base, str(root / name), targets, rslora, seed=20 + i)
         requests[name] = LoRARequest(name, i + 1, str(root / name))
     return str(root / "base"), requests
 

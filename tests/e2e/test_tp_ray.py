@@ -11,7 +11,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from test_tensor_parallel import _ARGS, _mixed_batch, _run  # noqa: E402
+from tests.helpers.tensor_parallel import TPTP_ARGS, run_tp, tp_mixed_batch  # noqa: E402
 
 from kvserve.engine.llm import LLM  # noqa: E402
 from kvserve.worker.tp_executor import TensorParallelError  # noqa: E402
@@ -23,16 +23,16 @@ pytestmark = pytest.mark.ray
 def engines(tiny_llama):
     assert not ray.is_initialized()
     path = tiny_llama[0]
-    tp1 = LLM(path, **_ARGS)
-    tp2 = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **_ARGS)
+    tp1 = LLM(path, **TP_ARGS)
+    tp2 = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **TP_ARGS)
     yield tp1, tp2
     tp2.shutdown()
 
 
 def test_ray_tp2_matches_tp1_on_a_mixed_batch(engines):
     tp1, tp2 = engines
-    prompts, params = _mixed_batch()
-    ref, out = _run(tp1, prompts, params), _run(tp2, prompts, params)
+    prompts, params = tp_mixed_batch()
+    ref, out = run_tp(tp1, prompts, params), run_tp(tp2, prompts, params)
     assert type(tp2.engine.core.executor).__name__ == "RayExecutor"
     assert tp2.engine.core.executor.group.stats.all_reduce_bytes > 0
     for a, b in zip(ref, out):

@@ -177,7 +177,7 @@ def test_engine_on_triton_paged_matches_transformers(kernels, tiny_llama):
     (decode rows verifying drafts) give transformers' greedy tokens."""
     import random
 
-    from conftest import run_to_completion
+    from tests.helpers.engine import run_to_completion
     from kvserve.engine.engine import Engine
     from kvserve.sampling_params import SamplingParams
 

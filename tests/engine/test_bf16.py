@@ -11,7 +11,8 @@ import logging
 import pytest
 import torch
 
-from conftest import ATTENTION_BACKENDS, make_tiny_checkpoint, run_last_after_prefix
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import ATTENTION_BACKENDS, run_last_after_prefix
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
@@ -23,9 +24,8 @@ from kvserve.layers.linear_methods import DenseMethod, OneDNNPackedMethod, defau
 from kvserve.models.layer_ops import LayerOps, load_fused_layer_ops
 from kvserve.sampling_params import SamplingParams
 from kvserve.utils import cpu_features
-from paged_cache_helpers import scatter_sequences
-from test_attention import _dense_decode
-from test_model_equivalence import _mixed_batch, hf_logits, paged_logits
+from tests.helpers.paged_cache import scatter_sequences
+from tests.helpers.oracles import dense_decode, hf_logits, mixed_batch, paged_logits
 
 CPU = torch.device("cpu")
 needs_bf16 = pytest.mark.skipif(not cpu_features.native_bf16(), reason="this CPU has no AVX512_BF16 / AMX")
@@ -74,7 +74,7 @@ def test_kernel_on_bf16_cache_matches_dense(block_size, num_heads, num_kv_heads,
                                                       seed=block_size + head_dim)
     scale = head_dim ** -0.5
     out = kernel.paged_decode_attention(q, cache, table, torch.tensor(seq_lens), scale)
-    torch.testing.assert_close(out, _dense_decode(q, ks, vs, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, dense_decode(q, ks, vs, scale), atol=1e-5, rtol=1e-5)
     queries = [1, 1, 3, 2, 4]   # draft verification rows on a bf16 cache equal each row decoded alone
     q = torch.randn(sum(queries), num_heads, head_dim)
     starts = torch.tensor([0] + torch.tensor(queries).cumsum(0).tolist())
@@ -109,7 +109,7 @@ def test_backend_decode_on_bf16_cache(use_kernel):
         s = torch.tensor([t[p // bs] * bs + p % bs for p in range(n)])
         ks.append(flat[s, 0].float())
         vs.append(flat[s, 1].float())
-    ref = _dense_decode(q.float(), ks, vs, d ** -0.5)
+    ref = dense_decode(q.float(), ks, vs, d ** -0.5)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
 
 
@@ -176,7 +176,7 @@ def test_bf16_logits_as_close_to_float32_as_transformers_bf16(tmp_path, tiny_lla
     runner = engine.core.executor.worker.runner
     assert runner.kv_caches[0].dtype == torch.bfloat16
     assert runner.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
-    batch = _mixed_batch(seed=5)
+    batch = mixed_batch(seed=5)
     ours_err = hf_err = 0.0
     for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
         ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ATTENTION_BACKENDS, check_engine_invariants, run_to_completion
+from tests.helpers.engine import ATTENTION_BACKENDS, check_engine_invariants, run_to_completion
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from conftest import step_until_idle
+from tests.helpers.engine import step_until_idle
 from kvserve.config import EngineArgs
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine import Engine

@@ -8,8 +8,10 @@ import random
 import pytest
 import torch
 
-from conftest import ATTENTION_BACKENDS, make_tiny_checkpoint
-from golden_helpers import count_identical_else_near_tie, hf_greedy, run_engine, smollm2_requests
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import ATTENTION_BACKENDS
+from tests.helpers.golden import count_identical_else_near_tie, run_engine, smollm2_requests
+from tests.helpers.oracles import hf_greedy
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 

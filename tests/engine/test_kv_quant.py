@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_last_after_prefix
+from tests.helpers.engine import run_last_after_prefix
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
@@ -20,9 +20,8 @@ from kvserve.kv_cache.quant import (QuantizedKVCache, dequantize, gather_dequant
                                     resolve_kv_cache_dtype, write_block_scaled)
 from kvserve.kv_cache.rotation import rotate, rotation
 from kvserve.sampling_params import SamplingParams
-from paged_cache_helpers import scatter_sequences
-from test_attention import _dense_decode
-from test_model_equivalence import _mixed_batch, hf_logits, paged_logits
+from tests.helpers.paged_cache import scatter_sequences
+from tests.helpers.oracles import dense_decode, hf_logits, mixed_batch, paged_logits
 
 QUANT_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -153,7 +152,7 @@ def test_kernel_on_quantized_cache_matches_dense_on_dequantized(dtype, block_siz
                                                            per_block=per_block)
     scale = head_dim ** -0.5
     out = kernel.paged_decode_attention(q, cache.values, table, torch.tensor(seq_lens), scale, None, cache.scales)
-    torch.testing.assert_close(out, _dense_decode(q, ks, vs, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, dense_decode(q, ks, vs, scale), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
@@ -203,7 +202,7 @@ def test_backend_decode_writes_quantized_and_matches_dense_on_dequantized(dtype,
         s = torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(n)])
         ks.append(deq[s, 0])
         vs.append(deq[s, 1])
-    ref = rotate(_dense_decode(rotate(q), ks, vs, d ** -0.5))
+    ref = rotate(dense_decode(rotate(q), ks, vs, d ** -0.5))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -342,7 +341,7 @@ def test_quantized_cache_logits_close_to_transformers(tiny_llama, kv_cache_dtype
     path, hf = tiny_llama
     engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=64, attention_backend=backend,
                                kv_cache_dtype=kv_cache_dtype))
-    batch = _mixed_batch(seed=11)
+    batch = mixed_batch(seed=11)
     for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
         ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
         torch.testing.assert_close(got, ref, atol=LOGIT_ATOL[kv_cache_dtype], rtol=0)

@@ -13,7 +13,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_tiny_checkpoint, step_until_idle
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import step_until_idle
+from tests.helpers.lora import ADAPTERS, make_adapter
 
 from kvserve import LLM, LoRARequest
 from kvserve.config import EngineArgs
@@ -21,21 +23,7 @@ from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
 
 peft = pytest.importorskip("peft")
-
-# name -> (target modules, use_rslora): attention only, MLP + o_proj with rsLoRA, every module
-ADAPTERS = {"attn": (["q_proj", "v_proj"], False),
-            "mlp_rs": (["o_proj", "gate_proj", "down_proj"], True),
-            "all": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False)}
 MAX_NEW = 8
-
-
-def _make_adapter(base, path: str, targets: list[str], rslora: bool, seed: int, r: int = 8):
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=r, lora_alpha=16, target_modules=targets, init_lora_weights=False, use_rslora=rslora)
-    model = peft.get_peft_model(copy.deepcopy(base), cfg).eval()
-    model.save_pretrained(path)
-    return model
-
 
 @torch.inference_mode()
 def _hf_greedy(model, prompt: list[int]) -> list[int]:
@@ -55,7 +43,7 @@ def lora_setup(tmp_path_factory):
     requests, models = {}, {}
     for i, (name, (targets, rslora)) in enumerate(ADAPTERS.items()):
         path = str(root / name)
-        models[name] = _make_adapter(base, path, targets, rslora, seed=10 + i)
+        models[name] = make_adapter(base, path, targets, rslora, seed=10 + i)
         requests[name] = LoRARequest(name, i + 1, path)
     oracle = {(None, j): _hf_greedy(base, p) for j, p in enumerate(prompts)}
     for name, model in models.items():

@@ -11,94 +11,11 @@ import os
 import pytest
 import torch
 
-from conftest import ATTENTION_BACKENDS, TINY_ARCHS, make_tiny_checkpoint
+from tests.helpers.checkpoints import TINY_ARCHS, make_tiny_checkpoint
+from tests.helpers.engine import ATTENTION_BACKENDS
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
-from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
-
-
-def paged_logits(engine: Engine, batch: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
-    """Run one forward pass over requests given as (tokens, num_context, num_query): the first
-    num_context tokens are computed in an earlier pass (through the cache); the returned logits are
-    those of the num_query tokens after them, all requests in the same pass. Decodes go first."""
-    kv = engine.scheduler.kv
-    reqs = []
-    for i, (tokens, ctx, q) in enumerate(batch):
-        req = Request(f"r{i}", tokens[:ctx + q], SamplingParams(max_tokens=1))
-        reqs.append((req, ctx, q))
-    # pass 1: contexts
-    pre = [(r, ctx) for r, ctx, _ in reqs if ctx > 0]
-    for r, ctx in pre:
-        assert kv.allocate_slots(r, ctx)
-    if pre:
-        _forward(engine, [(r, ctx) for r, ctx in pre])
-        for r, ctx in pre:
-            r.num_computed_tokens = ctx
-    # pass 2: the mixed batch
-    order = sorted(range(len(reqs)), key=lambda i: reqs[i][2] != 1)
-    for r, _, q in reqs:
-        assert kv.allocate_slots(r, q)
-    logits = _forward(engine, [(reqs[i][0], reqs[i][2]) for i in order])
-    out: list[torch.Tensor] = [None] * len(reqs)
-    start = 0
-    for i in order:
-        q = reqs[i][2]
-        out[i] = logits[start:start + q]
-        start += q
-    for r, _, _ in reqs:
-        kv.free(r)
-    engine.core.executor.worker.runner.update_states(SchedulerOutput(
-        [], CachedRequestData(), {}, 0, finished_req_ids={r.request_id for r, _, _ in reqs}))
-    return out
-
-
-@torch.inference_mode()
-def _forward(engine: Engine, entries) -> torch.Tensor:
-    """One forward pass over (request, tokens to compute) entries, through the worker's own input path;
-    the logits of every computed token."""
-    kv = engine.scheduler.kv
-    runner = engine.core.executor.worker.runner
-    new, cached = [], CachedRequestData()
-    for r, _ in entries:
-        block_ids = kv.block_ids(r.request_id)
-        known = runner.requests.get(r.request_id)
-        if known is None:
-            new.append(NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params, (), block_ids,
-                                      r.num_computed_tokens))
-        else:
-            cached.req_ids.append(r.request_id)
-            cached.resumed_from_preemption.append(False)
-            cached.new_block_ids.append(block_ids[len(known.block_ids):])
-            cached.num_computed_tokens.append(r.num_computed_tokens)
-    out = SchedulerOutput(new, cached, {r.request_id: n for r, n in entries}, sum(n for _, n in entries))
-    runner.update_states(out)
-    inputs = runner.prepare_inputs(out)
-    hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches,
-                          runner.backend.build_metadata(inputs.attn))
-    return runner.model.compute_logits(hidden)
-
-
-@torch.inference_mode()
-def hf_logits(model, tokens: list[int]) -> torch.Tensor:
-    return model(torch.tensor([tokens])).logits[0].float()
-
-
-def _mixed_batch(seed: int, vocab: int = 49152):
-    g = torch.Generator().manual_seed(seed)
-
-    def toks(n):
-        return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-    return [
-        (toks(37), 0, 37),    # fresh prefill
-        (toks(60), 40, 20),   # prefill chunk after cached context (crosses block boundaries)
-        (toks(21), 20, 1),    # decode
-        (toks(90), 89, 1),    # decode, long context
-        (toks(1), 0, 1),      # one-token prompt
-        (toks(33), 16, 17),   # chunk starting exactly at a block boundary
-    ]
+from tests.helpers.oracles import hf_logits, mixed_batch, paged_logits
 
 
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
@@ -107,7 +24,7 @@ def _mixed_batch(seed: int, vocab: int = 49152):
 def test_tiny_checkpoint_logits_match_transformers(tmp_path, arch, tie, backend):
     hf = make_tiny_checkpoint(str(tmp_path), arch, tie=tie)
     engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64, attention_backend=backend))
-    batch = _mixed_batch(seed=hash((arch, tie)) % 1000)
+    batch = mixed_batch(seed=hash((arch, tie)) % 1000)
     ours = paged_logits(engine, batch)
     for (tokens, ctx, q), got in zip(batch, ours):
         ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
@@ -185,7 +102,7 @@ def test_head_dim_64_logits_match_transformers(tmp_path):
     load_gguf_tokenizer(builtin_model_path()).save_pretrained(str(tmp_path))
     engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64, attention_backend="cpu_paged"))
     g = torch.Generator().manual_seed(7)
-    batch = _mixed_batch(seed=5) + [(torch.randint(0, 49152, (70,), generator=g).tolist(), 65, 5)]
+    batch = mixed_batch(seed=5) + [(torch.randint(0, 49152, (70,), generator=g).tolist(), 65, 5)]
     for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
         ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

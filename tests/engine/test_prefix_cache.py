@@ -5,7 +5,7 @@ from collections import deque
 
 import pytest
 
-from conftest import run_to_completion
+from tests.helpers.engine import run_to_completion
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.kv_cache.block_pool import BlockPool

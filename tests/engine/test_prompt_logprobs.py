@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import ATTENTION_BACKENDS, step_until_idle
+from tests.helpers.engine import ATTENTION_BACKENDS, step_until_idle
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.request import RequestStatus

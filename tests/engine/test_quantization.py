@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_checkpoint, run_to_completion
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import run_to_completion
 
 from kvserve import LLM
 from kvserve.config import EngineArgs

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ATTENTION_BACKENDS, check_engine_invariants, make_tiny_checkpoint, step_until_idle
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import ATTENTION_BACKENDS, check_engine_invariants, step_until_idle
 from kvserve.config import EngineArgs, SpeculativeConfig
 from kvserve.engine.engine import Engine
 from kvserve.sample.rejection_sampler import rejection_sample

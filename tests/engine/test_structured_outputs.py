@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from conftest import ATTENTION_BACKENDS, run_to_completion, step_until_idle
+from tests.helpers.engine import ATTENTION_BACKENDS, run_to_completion, step_until_idle
 from kvserve import SamplingParams, StructuredOutputsParams
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine

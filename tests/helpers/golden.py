@@ -1,5 +1,5 @@
-"""The greedy-vs-transformers oracle shared by the CPU and GPU golden tests (tests/test_golden.py,
-tests/test_gpu_golden.py): transformers' own greedy tokens, the engine run, the SmolLM2 request set and the
+"""The greedy-vs-transformers oracle shared by the CPU and GPU golden tests (tests/engine/test_golden.py,
+tests/e2e/test_gpu_golden.py): the engine run, the SmolLM2 request set and the
 near-tie rule for a token that differs."""
 from __future__ import annotations
 
@@ -7,19 +7,10 @@ import os
 import random
 
 import torch
-from conftest import run_to_completion
 
 from kvserve.sampling_params import SamplingParams
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], max_new: int, top: int = 0):
-    """transformers' greedy tokens for `prompt` (on the model's device), and its top-`top` ids per step."""
-    device = next(model.parameters()).device
-    out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new, min_new_tokens=max_new,
-                         do_sample=False, output_scores=bool(top), return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    return tokens, ([s[0].topk(top).indices.tolist() for s in out.scores] if top else None)
+from tests.helpers.engine import run_to_completion
+from tests.helpers.oracles import hf_greedy
 
 
 def run_engine(engine, reqs, logprobs: int | None = None) -> dict:

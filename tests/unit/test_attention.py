@@ -12,17 +12,7 @@ from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.prefill import write_kv
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.kv_cache.quant import dequantize, quantize_blocks
-
-
-def _dense_decode(q, ks, vs, scale):
-    out = []
-    for qi, k, v in zip(q, ks, vs):          # qi [Hq, D], k/v [L, Hkv, D]
-        group = qi.shape[0] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)   # [Hq, L, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        w = torch.softmax((qi[:, None, :] @ k.transpose(1, 2)).squeeze(1) * scale, dim=-1)
-        out.append((w[:, None, :] @ v).squeeze(1))
-    return torch.stack(out)
+from tests.helpers.oracles import dense_decode
 
 
 def _kernel_or_skip():
@@ -63,7 +53,7 @@ def test_paged_decode_matches_dense(block_size, num_heads, num_kv_heads, use_ker
         slot_mapping=slot_mapping, num_decodes=len(seq_lens), num_decode_tokens=len(seq_lens),
         block_size=block_size, query_lens_cpu=[1] * len(seq_lens), seq_lens_cpu=seq_lens)
     out = backend.forward(q, k_new, v_new, cache, backend.build_metadata(common), head_dim ** -0.5)
-    torch.testing.assert_close(out, _dense_decode(q, ks, vs, head_dim ** -0.5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, dense_decode(q, ks, vs, head_dim ** -0.5), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("ctx, q_len", [(30, 20), (0, 300), (100, 300), (0, 128), (7, 129)])
@@ -157,7 +147,7 @@ def test_single_sequence_decode_split_over_threads(seq_len, threads, num_queries
         slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(n)])
         for j in range(k):
             visible = slots[: n - (k - 1 - j)]
-            expected.append(_dense_decode(q[row:row + 1], [flat[visible, 0]], [flat[visible, 1]], d ** -0.5)[0])
+            expected.append(dense_decode(q[row:row + 1], [flat[visible, 0]], [flat[visible, 1]], d ** -0.5)[0])
             row += 1
     torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
 

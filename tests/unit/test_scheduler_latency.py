@@ -13,21 +13,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.step_cost import MIN_PROMPT_CHUNK, LinearStepCost, StepFeatures
 from kvserve.worker.runner_output import ModelRunnerOutput
-
-# 10 ms a step, 1 ms a token, 1 us a query-key pair.
-_COST = LinearStepCost(base=0.010, per_token=0.001, per_pair=1e-6)
-
-
-def _scheduler(target_ms: float, cost=_COST, budget=512, long_prefill=0, num_blocks=1024) -> Scheduler:
-    kv = KVCacheManager(BlockPool(num_blocks), 16, True)
-    config = SchedulerConfig(64, budget, 8192, long_prefill_token_threshold=long_prefill, target_itl_ms=target_ms)
-    return Scheduler(config, kv, step_cost=cost)
-
-
-def _request(rid: str, prompt_len: int, max_tokens: int, seed: int = 0) -> Request:
-    rng = random.Random(f"{rid}-{seed}")
-    return Request(rid, [rng.randrange(1000) for _ in range(prompt_len)],
-                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens=max_tokens)
+from tests.helpers.scheduler import LINEAR_COST, latency_scheduler, make_request
 
 
 def _step(sched: Scheduler, seconds: float = 0.0):
@@ -50,7 +36,7 @@ def _step(sched: Scheduler, seconds: float = 0.0):
 
 
 def _decoders(sched: Scheduler, n: int) -> list[Request]:
-    reqs = [_request(f"d{i}", 20, 200) for i in range(n)]
+    reqs = [make_request(f"d{i}", 20, 200) for i in range(n)]
     for r in reqs:
         sched.add_request(r)
     _step(sched)
@@ -58,9 +44,9 @@ def _decoders(sched: Scheduler, n: int) -> list[Request]:
 
 
 def test_chunks_beside_decodes_are_sized_to_the_target():
-    sched = _scheduler(target_ms=100)
+    sched = latency_scheduler(target_ms=100)
     _decoders(sched, 8)
-    sched.add_request(_request("long", 2000, 4))
+    sched.add_request(make_request("long", 2000, 4))
     long = sched.requests["long"]
     chunks = []
     while long.num_computed_tokens < long.num_prompt_tokens:
@@ -68,20 +54,20 @@ def test_chunks_beside_decodes_are_sized_to_the_target():
         assert sum(n == 1 for n in out.num_scheduled_tokens.values()) == 8, "every decode runs every step"
         chunk = out.num_scheduled_tokens["long"]
         chunks.append(chunk)
-        predicted = _COST.predict(carried)
+        predicted = LINEAR_COST.predict(carried)
         assert predicted <= 0.100 + 1e-9, f"step with decodes predicted {predicted * 1000:.1f} ms"
         computed = long.num_computed_tokens - chunk
         if computed + chunk < long.num_prompt_tokens:  # not the last chunk: one more token would exceed it
             this, grown = StepFeatures.of_request(computed, chunk), StepFeatures.of_request(computed, chunk + 1)
-            extra = _COST.predict(grown) - _COST.predict(this)
+            extra = LINEAR_COST.predict(grown) - LINEAR_COST.predict(this)
             assert predicted + extra > 0.100
     assert chunks[0] == 76 and chunks == sorted(chunks, reverse=True), chunks  # 10 + 8 + 76 + 6 ms; then
     assert sum(chunks) == 2000                                                 # longer contexts cost pairs
 
 
 def test_prompt_only_steps_use_the_whole_budget():
-    sched = _scheduler(target_ms=20)
-    sched.add_request(_request("a", 1200, 2))
+    sched = latency_scheduler(target_ms=20)
+    sched.add_request(make_request("a", 1200, 2))
     out, _ = _step(sched)
     assert out.num_scheduled_tokens == {"a": 512}
     out, _ = _step(sched)
@@ -89,22 +75,22 @@ def test_prompt_only_steps_use_the_whole_budget():
 
 
 def test_floor_keeps_prompts_moving_when_decodes_fill_the_target():
-    sched = _scheduler(target_ms=15)   # 8 decodes alone: 18 ms; twice that is the step's limit
+    sched = latency_scheduler(target_ms=15)   # 8 decodes alone: 18 ms; twice that is the step's limit
     _decoders(sched, 8)
-    sched.add_request(_request("long", 300, 2))
+    sched.add_request(make_request("long", 300, 2))
     out, carried = _step(sched)
     assert out.num_scheduled_tokens["long"] == 17      # 18.2 + 17 + 0.3 <= 2 x 18.2 ms
-    heavy = _scheduler(target_ms=1, cost=LinearStepCost(base=0.010, per_token=0.001, per_pair=1e-3))
+    heavy = latency_scheduler(target_ms=1, cost=LinearStepCost(base=0.010, per_token=0.001, per_pair=1e-3))
     _decoders(heavy, 4)
-    heavy.add_request(_request("long", 300, 2))
+    heavy.add_request(make_request("long", 300, 2))
     out, _ = _step(heavy)
     assert out.num_scheduled_tokens["long"] == MIN_PROMPT_CHUNK
 
 
 def test_long_prefill_threshold_still_caps():
-    sched = _scheduler(target_ms=1000, long_prefill=32)
+    sched = latency_scheduler(target_ms=1000, long_prefill=32)
     _decoders(sched, 2)
-    sched.add_request(_request("long", 300, 2))
+    sched.add_request(make_request("long", 300, 2))
     out, _ = _step(sched)
     assert out.num_scheduled_tokens["long"] == 32
 
@@ -115,7 +101,7 @@ def _trace(sched: Scheduler, seed: int) -> list[dict[str, int]]:
     steps, next_id = [], 0
     for step in range(600):
         if next_id < 30 and (step < 3 or rng.random() < 0.2):
-            sched.add_request(_request(str(next_id), rng.randint(1, 700), rng.randint(1, 40), seed))
+            sched.add_request(make_request(str(next_id), rng.randint(1, 700), rng.randint(1, 40), seed))
             next_id += 1
         out, _ = _step(sched, seconds=0.02)
         steps.append(dict(out.num_scheduled_tokens))
@@ -128,8 +114,8 @@ def _trace(sched: Scheduler, seed: int) -> list[dict[str, int]]:
 def test_target_zero_is_the_fixed_budget_exactly():
     for seed in range(3):
         fixed = _trace(Scheduler(SchedulerConfig(64, 512, 8192), KVCacheManager(BlockPool(256), 16, True)), seed)
-        off = _trace(_scheduler(target_ms=0, num_blocks=256), seed)
-        on = _trace(_scheduler(target_ms=40, num_blocks=256), seed)
+        off = _trace(latency_scheduler(target_ms=0, num_blocks=256), seed)
+        on = _trace(latency_scheduler(target_ms=40, num_blocks=256), seed)
         assert off == fixed
         assert on != fixed  # the same arrivals do get smaller chunks beside decodes with a target
 
@@ -140,13 +126,13 @@ def test_measured_step_times_reach_the_cost_model():
             seen.append((features, seconds))
 
     seen: list = []
-    sched = _scheduler(target_ms=50, cost=Recording(base=0.01, per_token=0.001))
+    sched = latency_scheduler(target_ms=50, cost=Recording(base=0.01, per_token=0.001))
     _decoders(sched, 2)
-    sched.add_request(_request("x", 30, 2))
+    sched.add_request(make_request("x", 30, 2))
     _, carried = _step(sched, seconds=0.033)
     assert seen[-1] == (carried, 0.033)
     assert seen[0][0] == StepFeatures(40, 2, 40, 2 * 20 * 20)  # the two 20-token prompts
-    off = _scheduler(target_ms=0, cost=Recording())
+    off = latency_scheduler(target_ms=0, cost=Recording())
     seen.clear()
     _decoders(off, 2)
     assert seen == [], "off: nothing is fitted"
@@ -157,7 +143,7 @@ def test_engine_outputs_unchanged_by_latency_sized_chunks_and_match_transformers
     at its floor or the 2x rule) gives the same greedy tokens as the fixed budget and as transformers."""
     import torch
 
-    from conftest import check_engine_invariants
+    from tests.helpers.engine import check_engine_invariants
     from kvserve.config import EngineArgs
     from kvserve.engine.engine import Engine
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_to_completion
+from tests.helpers.engine import run_to_completion
 from kvserve.config import EngineArgs
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.engine.engine import Engine

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_scheduler_latency import _request, _scheduler
 
 from kvserve.scheduler.step_cost import OnlineStepCost, StepFeatures, largest_chunk
 from kvserve.worker.runner_output import ModelRunnerOutput
+from tests.helpers.scheduler import latency_scheduler, make_request
 
 
 class _Truth:
@@ -29,15 +29,15 @@ def _replay(truth: _Truth, target_ms: float, noise: float, spikes: float, seed: 
     """Returns the cost model and, per step: (decodes' features, first long prompt's chunk and its computed
     tokens, all long prompts' tokens, the step's true seconds)."""
     cost = OnlineStepCost()
-    sched = _scheduler(target_ms, cost=cost, budget=512, num_blocks=4096)
+    sched = latency_scheduler(target_ms, cost=cost, budget=512, num_blocks=4096)
     rng = np.random.default_rng(seed)
     for i in range(16):
-        sched.add_request(_request(f"s{i}", 32, 256))
+        sched.add_request(make_request(f"s{i}", 32, 256))
     steps = []
     for k in range(400):
         if k == 30:  # interference: the long prompts arrive while the short ones decode
             for j in range(2):
-                sched.add_request(_request(f"long{j}", 2000, 16))
+                sched.add_request(make_request(f"long{j}", 2000, 16))
         if not sched.num_unfinished:
             break
         out = sched.schedule()
@@ -111,7 +111,7 @@ def _simulate(sched, truth: _Truth, arrivals: list[tuple[float, str, int, int]],
     while pending or sched.num_unfinished:
         while pending and pending[0][0] <= now:
             _, rid, n, m = pending.pop(0)
-            sched.add_request(_request(rid, n, m))
+            sched.add_request(make_request(rid, n, m))
         if not sched.num_unfinished:
             now = pending[0][0]
             continue
@@ -137,7 +137,7 @@ def test_simulated_interference_meets_the_issue_target_without_starving_long_pro
     arrivals = [(0.0, f"s{i}", 32, 256) for i in range(16)] + [(2.0, f"long{j}", 2000, 16) for j in range(2)]
     result = {}
     for target in (150, 0):
-        _, stamps = _simulate(_scheduler(target, cost=OnlineStepCost(), num_blocks=4096), _Truth(), arrivals)
+        _, stamps = _simulate(latency_scheduler(target, cost=OnlineStepCost(), num_blocks=4096), _Truth(), arrivals)
         itl = [b - a for rid, ts in stamps.items() if rid[0] == "s" for a, b in zip(ts, ts[1:])]
         ttft = np.median([stamps[f"long{j}"][0] - 2.0 for j in range(2)])
         result[target] = (np.percentile(itl, 99) / np.median(itl), ttft)
@@ -152,6 +152,6 @@ def test_simulated_mixed_throughput_close_to_the_fixed_budget():
     size chunks near the whole budget). A guard: the contended bench run before the fix measured 1.37x."""
     rng = np.random.default_rng(3)
     arrivals = [(0.0, f"m{i}", int(rng.integers(40, 510)), int(rng.integers(20, 250))) for i in range(48)]
-    seconds = {target: _simulate(_scheduler(target, cost=OnlineStepCost(), num_blocks=4096, budget=512),
+    seconds = {target: _simulate(latency_scheduler(target, cost=OnlineStepCost(), num_blocks=4096, budget=512),
                                  _Truth(), arrivals)[0] for target in (150, 0)}
     assert seconds[150] < 1.10 * seconds[0], seconds

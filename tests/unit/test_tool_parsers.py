@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvserve.server.config import ServerConfig
 from kvserve.server.tool_parsers import (NamedCallParser, RequiredCallsParser, StreamDelta, get_tool_parser,
                                          infer_tool_parser, resolve_tool_parser)
-from tool_calling_helpers import HERMES, SMOLLM2
+from tests.helpers.tool_calling import HERMES, SMOLLM2
 
 
 # ---- helpers ----------------------------------------------------------------------------------
