@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
+from kvserve.config import EngineArgs
+from kvserve.engine.engine import Engine
 from tests.helpers.engine import check_engine_invariants
 from tests.helpers.golden import count_identical_else_near_tie, run_engine, smollm2_requests
 from tests.helpers.oracles import hf_greedy
-from kvserve.config import EngineArgs
-from kvserve.engine.engine import Engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -14,13 +14,11 @@ import time
 import pytest
 import torch
 
-from tests.helpers.checkpoints import make_tiny_checkpoint
-from tests.helpers.engine import check_engine_invariants
-from tests.helpers.tensor_parallel import TP_ARGS, run_tp, tp_mixed_batch
 from kvserve.config import EngineArgs
 from kvserve.engine.llm import LLM
 from kvserve.layers.parallel import ShardContext
 from kvserve.sampling_params import SamplingParams
+from tests.helpers.tensor_parallel import TP_ARGS, run_tp, tp_mixed_batch
 
 def _pids_alive(pids):
     alive = []

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.checkpoints import make_tiny_checkpoint
-from tests.helpers.engine import check_engine_invariants
-from tests.helpers.lora import ADAPTERS, make_adapter
 
 from kvserve import LoRARequest
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import check_engine_invariants
+from tests.helpers.lora import ADAPTERS, make_adapter
 
 _ARGS = dict(enable_lora=True, max_loras=2, num_gpu_blocks_override=64, block_size=4, max_num_batched_tokens=32,
              max_num_seqs=8, num_threads=1)

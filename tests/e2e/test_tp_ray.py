@@ -11,10 +11,9 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from tests.helpers.tensor_parallel import TPTP_ARGS, run_tp, tp_mixed_batch  # noqa: E402
-
 from kvserve.engine.llm import LLM  # noqa: E402
 from kvserve.worker.tp_executor import TensorParallelError  # noqa: E402
+from tests.helpers.tensor_parallel import TP_ARGS, run_tp, tp_mixed_batch  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

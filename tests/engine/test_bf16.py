@@ -11,8 +11,6 @@ import logging
 import pytest
 import torch
 
-from tests.helpers.checkpoints import make_tiny_checkpoint
-from tests.helpers.engine import ATTENTION_BACKENDS, run_last_after_prefix
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
@@ -24,6 +22,8 @@ from kvserve.layers.linear_methods import DenseMethod, OneDNNPackedMethod, defau
 from kvserve.models.layer_ops import LayerOps, load_fused_layer_ops
 from kvserve.sampling_params import SamplingParams
 from kvserve.utils import cpu_features
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import ATTENTION_BACKENDS, run_last_after_prefix
 from tests.helpers.paged_cache import scatter_sequences
 from tests.helpers.oracles import dense_decode, hf_logits, mixed_batch, paged_logits
 

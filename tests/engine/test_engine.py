@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.engine import ATTENTION_BACKENDS, check_engine_invariants, run_to_completion
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
+from tests.helpers.engine import ATTENTION_BACKENDS, check_engine_invariants, run_to_completion
 
 
 @pytest.fixture

@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from tests.helpers.engine import step_until_idle
 from kvserve.config import EngineArgs
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine import Engine
 from kvserve.sample.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
+from tests.helpers.engine import step_until_idle
 
 POISON_SEED = 424242  # the marked request's seed: the injected sampler fault fires for it only
 

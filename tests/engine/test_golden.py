@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
+from kvserve.config import EngineArgs
+from kvserve.engine.engine import Engine
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.engine import ATTENTION_BACKENDS
 from tests.helpers.golden import count_identical_else_near_tie, run_engine, smollm2_requests
 from tests.helpers.oracles import hf_greedy
-from kvserve.config import EngineArgs
-from kvserve.engine.engine import Engine
 
 
 def _requests(seed: int, num: int, vocab: int, max_prompt: int, max_out: int):

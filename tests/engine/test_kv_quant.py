@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.engine import run_last_after_prefix
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
@@ -20,6 +19,7 @@ from kvserve.kv_cache.quant import (QuantizedKVCache, dequantize, gather_dequant
                                     resolve_kv_cache_dtype, write_block_scaled)
 from kvserve.kv_cache.rotation import rotate, rotation
 from kvserve.sampling_params import SamplingParams
+from tests.helpers.engine import run_last_after_prefix
 from tests.helpers.paged_cache import scatter_sequences
 from tests.helpers.oracles import dense_decode, hf_logits, mixed_batch, paged_logits
 

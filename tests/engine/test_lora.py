@@ -5,7 +5,6 @@ names the problem; block invariants hold after every step."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import random
@@ -13,14 +12,14 @@ import shutil
 
 import pytest
 import torch
-from tests.helpers.checkpoints import make_tiny_checkpoint
-from tests.helpers.engine import step_until_idle
-from tests.helpers.lora import ADAPTERS, make_adapter
 
 from kvserve import LLM, LoRARequest
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import step_until_idle
+from tests.helpers.lora import ADAPTERS, make_adapter
 
 peft = pytest.importorskip("peft")
 MAX_NEW = 8

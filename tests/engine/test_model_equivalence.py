@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from tests.helpers.checkpoints import TINY_ARCHS, make_tiny_checkpoint
-from tests.helpers.engine import ATTENTION_BACKENDS
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
+from tests.helpers.checkpoints import TINY_ARCHS, make_tiny_checkpoint
+from tests.helpers.engine import ATTENTION_BACKENDS
 from tests.helpers.oracles import hf_logits, mixed_batch, paged_logits
 
 

@@ -5,7 +5,6 @@ from collections import deque
 
 import pytest
 
-from tests.helpers.engine import run_to_completion
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.kv_cache.block_pool import BlockPool
@@ -13,6 +12,7 @@ from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.policy import MAX_SKIPS, WaitingOrder
+from tests.helpers.engine import run_to_completion
 
 
 class FakeClock:

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from tests.helpers.engine import ATTENTION_BACKENDS, step_until_idle
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.request import RequestStatus
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from tests.helpers.engine import ATTENTION_BACKENDS, step_until_idle
 
 TOL = 1e-4  # fp32 on both sides
 

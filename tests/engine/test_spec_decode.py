@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.checkpoints import make_tiny_checkpoint
-from tests.helpers.engine import ATTENTION_BACKENDS, check_engine_invariants, step_until_idle
 from kvserve.config import EngineArgs, SpeculativeConfig
 from kvserve.engine.engine import Engine
 from kvserve.sample.rejection_sampler import rejection_sample
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.policy import DraftLengthPolicy
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import ATTENTION_BACKENDS, check_engine_invariants, step_until_idle
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}

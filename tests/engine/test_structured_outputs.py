@@ -9,12 +9,12 @@ import threading
 import pytest
 import torch
 
-from tests.helpers.engine import ATTENTION_BACKENDS, run_to_completion, step_until_idle
 from kvserve import SamplingParams, StructuredOutputsParams
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.structured_output.grammar import choice_ebnf
 from kvserve.structured_output.manager import StructuredOutputManager
+from tests.helpers.engine import ATTENTION_BACKENDS, run_to_completion, step_until_idle
 
 xgr = pytest.importorskip("xgrammar")
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.engine import run_to_completion, step_until_idle
 from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.cascade import find_shared_prefixes
 from kvserve.attention.cpu_kernels import load_paged_attention
@@ -17,6 +16,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.kv_cache.quant import dequantize, quantize_blocks
 from kvserve.sampling_params import SamplingParams
+from tests.helpers.engine import run_to_completion, step_until_idle
 from tests.helpers.oracles import hf_logits
 
 DTYPES = {"float32": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.engine import run_to_completion
 from kvserve.config import EngineArgs
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.engine.engine import Engine
@@ -22,6 +21,7 @@ from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
 from kvserve.worker.runner_output import ModelRunnerOutput
+from tests.helpers.engine import run_to_completion
 
 
 # ---- the diff ---------------------------------------------------------------------------------
