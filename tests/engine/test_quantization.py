@@ -6,13 +6,11 @@ problem. (The formats' numbers: tests/unit/test_quantization_kernels.py.)"""
 from __future__ import annotations
 
 import copy
-import logging
 import random
 
 import pytest
 import torch
 
-from kvserve import LLM
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.layers.quant import kernels
@@ -137,29 +135,6 @@ def test_lora_over_an_int8_base_matches_peft_on_the_dequantized_base(tmp_path):
                 out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
                                      do_sample=False, pad_token_id=0)
                 assert finished[key].outputs[0].token_ids == out[0, len(prompt):].tolist(), key
-
-
-SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village",
-                   "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
-                   "The three primary colors are"]
-
-
-def _top1(llm: LLM) -> list[list[int]]:
-    """Teacher-forced top-1 next token at every prompt position (prompt_logprobs)."""
-    outs = llm.generate(SMOLLM2_PROMPTS, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-    return [[next(t for t, lp in entry.items() if lp.rank == 1) for entry in out.prompt_logprobs[1:]]
-            for out in outs]
-
-
-def test_smollm2_gguf_blocks_agree_with_the_dequantized_default(caplog):
-    default = _top1(LLM(kv_cache_memory="64MiB"))
-    with caplog.at_level(logging.INFO, logger="kvserve"):
-        kept = _top1(LLM(quantization="gguf", kv_cache_memory="64MiB"))
-    assert any("quantization: gguf" in r.getMessage() and "held" in r.getMessage() for r in caplog.records)
-    pairs = [(a, b) for x, y in zip(default, kept) for a, b in zip(x, y)]
-    agreement = sum(a == b for a, b in pairs) / len(pairs)
-    # The same Q4_1 numbers: only summation order differs, so a flip needs a near-tie.
-    assert agreement >= 0.97, f"top-1 agreement {agreement:.3f} over {len(pairs)} positions"
 
 
 # ---- bad combinations ----------------------------------------------------------------------------------
