@@ -29,14 +29,18 @@ serve: install
 generate: install
 	$(BIN)/kvserve generate --chat "Write a haiku about paged attention." --max-tokens 64
 
+# Test tiers (tests/conftest.py): unit (no model), engine (tiny checkpoints in process), server (the app in
+# process), e2e (subprocesses, README blocks, TP/Ray, kernel builds, Triton interpreter, SmolLM2, GPU).
+# `test` runs every tier, the engine tier on every CPU attention backend (CI: .ci/run).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --all-backends --durations=15
 
+# The tier to run after each change: unit + engine + server, one attention backend, no `slow` tests.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 tests/unit tests/engine tests/server
 
 bench: install
-	$(BIN)/kvserve bench offline --workload ../shared/workloads/mixed.jsonl
+	$(BIN)/kvserve bench offline --workload mixed
 
 # kvserve vs vLLM CPU, OpenVINO GenAI, llama.cpp and transformers (installed into .peers/; docs/BENCHMARKS.md)
 bench-compare: install
