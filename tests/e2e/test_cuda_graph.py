@@ -167,11 +167,10 @@ def test_replay_path_pads_and_matches_transformers_on_cpu(tiny_llama):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs Triton's interpreter (no CUDA here) or a GPU (the gpu tests)")
-    from tests.helpers.engine import run_to_completion
     from kvserve.config import EngineArgs
     from kvserve.engine.engine import Engine
-    from kvserve.sampling_params import SamplingParams
     from kvserve.worker.cuda_graph import CudaGraphRunner
+    from tests.helpers.oracles import assert_matches_hf
 
     path, hf = tiny_llama
     engine = Engine(EngineArgs(model=path, attention_backend="triton_paged", num_gpu_blocks_override=40,
@@ -188,12 +187,5 @@ def test_replay_path_pads_and_matches_transformers_on_cpu(tiny_llama):
     runner.cuda_graphs = graphs
     rng = random.Random(2)
     reqs = [([rng.randrange(3, 49152) for _ in range(n)], m) for n, m in [(3, 9), (20, 6), (9, 12)]]
-    for i, (prompt, max_tokens) in enumerate(reqs):  # 3 decodes pad to 4, 2 to 2, 1 to 1
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    finished = run_to_completion(engine)
+    assert_matches_hf(None, reqs, hf, engine=engine)  # 3 decodes pad to 4, 2 to 2, 1 to 1
     assert graphs.num_replays > 0
-    with torch.inference_mode():
-        for i, (prompt, max_tokens) in enumerate(reqs):
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-            assert finished[str(i)].outputs[0].token_ids == want, f"request {i} differs"

@@ -16,7 +16,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.golden import count_identical_else_near_tie, run_engine, smollm2_requests
-from tests.helpers.oracles import hf_logits, paged_logits
+from tests.helpers.oracles import assert_logits_match_hf
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,7 @@ def test_smollm2_gguf_logits_match_transformers(hf_smollm2):
     code = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
     batch = [(prompt, 0, len(prompt)), (prompt + [tok.encode(" the")[0]] * 30, len(prompt) + 29, 1),
              (code, 0, len(code))]
-    for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
-        ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
-        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    assert_logits_match_hf(engine, hf, batch, atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.slow

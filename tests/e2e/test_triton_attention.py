@@ -177,9 +177,8 @@ def test_engine_on_triton_paged_matches_transformers(kernels, tiny_llama):
     (decode rows verifying drafts) give transformers' greedy tokens."""
     import random
 
-    from tests.helpers.engine import run_to_completion
     from kvserve.engine.engine import Engine
-    from kvserve.sampling_params import SamplingParams
+    from tests.helpers.oracles import assert_matches_hf
 
     path, hf = tiny_llama
     rng = random.Random(5)
@@ -188,15 +187,8 @@ def test_engine_on_triton_paged_matches_transformers(kernels, tiny_llama):
     engine = Engine(EngineArgs(model=path, attention_backend="triton_paged", num_gpu_blocks_override=9,
                                max_num_batched_tokens=32, max_num_seqs=4))
     assert engine.core.executor.worker.backend.name == "triton_paged"
-    for i, (prompt, max_tokens) in enumerate(reqs):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    finished = run_to_completion(engine)
+    assert_matches_hf(None, reqs, hf, engine=engine)
     assert engine.scheduler.stats.num_preemptions > 0
-    with torch.inference_mode():
-        for i, (prompt, max_tokens) in enumerate(reqs):
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-            assert finished[str(i)].outputs[0].token_ids == want, f"request {i} differs"
 
 
 def test_registry_offers_triton_paged_where_it_can_run(monkeypatch):

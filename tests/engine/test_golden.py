@@ -11,7 +11,7 @@ from kvserve.engine.engine import Engine
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.engine import ATTENTION_BACKENDS
 from tests.helpers.golden import run_engine
-from tests.helpers.oracles import hf_greedy
+from tests.helpers.oracles import assert_matches_hf
 
 
 def _requests(seed: int, num: int, vocab: int, max_prompt: int, max_out: int):
@@ -27,15 +27,9 @@ def test_tiny_golden_with_chunking_and_preemption(tmp_path, arch, backend):
     reqs = _requests(seed=1, num=18, vocab=49152, max_prompt=600, max_out=40)
     # 60 blocks x 16 = 960 tokens for ~5,000 tokens of demand: preemption is certain; 128-token budget
     # chunks every prompt over 128.
-    engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=60, max_num_batched_tokens=128,
-                               max_num_seqs=16, attention_backend=backend))
-    finished = run_engine(engine, reqs)
+    engine, _ = assert_matches_hf(dict(model=str(tmp_path), num_gpu_blocks_override=60, max_num_batched_tokens=128,
+                                       max_num_seqs=16, attention_backend=backend), reqs, hf)
     assert engine.scheduler.stats.num_preemptions > 0
-    for i, (prompt, max_tokens) in enumerate(reqs):
-        want, _ = hf_greedy(hf, prompt, max_tokens)
-        got = finished[str(i)].outputs[0]
-        assert got.token_ids == want, f"request {i} (prompt {len(prompt)} tokens) differs"
-        assert got.finish_reason == "length"
 
 
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)

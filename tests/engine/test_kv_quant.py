@@ -21,7 +21,7 @@ from kvserve.kv_cache.rotation import rotate, rotation
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.engine import run_last_after_prefix
 from tests.helpers.paged_cache import scatter_sequences
-from tests.helpers.oracles import dense_decode, hf_logits, mixed_batch, paged_logits
+from tests.helpers.oracles import assert_logits_match_hf, dense_decode, mixed_batch
 
 QUANT_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -341,11 +341,7 @@ def test_quantized_cache_logits_close_to_transformers(tiny_llama, kv_cache_dtype
     path, hf = tiny_llama
     engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=64, attention_backend=backend,
                                kv_cache_dtype=kv_cache_dtype))
-    batch = mixed_batch(seed=11)
-    for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
-        ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
-        torch.testing.assert_close(got, ref, atol=LOGIT_ATOL[kv_cache_dtype], rtol=0)
-    engine.scheduler.check_invariants()
+    assert_logits_match_hf(engine, hf, mixed_batch(seed=11), atol=LOGIT_ATOL[kv_cache_dtype], rtol=0)
 
 
 def _prompts():

@@ -15,7 +15,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from tests.helpers.checkpoints import TINY_ARCHS, make_tiny_checkpoint
 from tests.helpers.engine import ATTENTION_BACKENDS
-from tests.helpers.oracles import hf_logits, mixed_batch, paged_logits
+from tests.helpers.oracles import assert_logits_match_hf, mixed_batch
 
 
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
@@ -24,12 +24,7 @@ from tests.helpers.oracles import hf_logits, mixed_batch, paged_logits
 def test_tiny_checkpoint_logits_match_transformers(tmp_path, arch, tie, backend):
     hf = make_tiny_checkpoint(str(tmp_path), arch, tie=tie)
     engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64, attention_backend=backend))
-    batch = mixed_batch(seed=hash((arch, tie)) % 1000)
-    ours = paged_logits(engine, batch)
-    for (tokens, ctx, q), got in zip(batch, ours):
-        ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    engine.scheduler.check_invariants()
+    assert_logits_match_hf(engine, hf, mixed_batch(seed=hash((arch, tie)) % 1000), atol=1e-4, rtol=1e-4)
     assert engine.block_pool.counts()["in_use"] == 0
 
 
@@ -86,8 +81,5 @@ def test_head_dim_64_logits_match_transformers(tmp_path):
     engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64, attention_backend="cpu_paged"))
     g = torch.Generator().manual_seed(7)
     batch = mixed_batch(seed=5) + [(torch.randint(0, 49152, (70,), generator=g).tolist(), 65, 5)]
-    for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
-        ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    engine.scheduler.check_invariants()
+    assert_logits_match_hf(engine, hf, batch, atol=1e-4, rtol=1e-4)
     assert engine.block_pool.counts()["in_use"] == 0

@@ -19,6 +19,7 @@ from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.policy import DraftLengthPolicy
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.engine import ATTENTION_BACKENDS, check_engine_invariants, step_until_idle
+from tests.helpers.oracles import assert_matches_hf, hf_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
@@ -36,13 +37,6 @@ def _repetitive_requests(seed: int, num: int, max_prompt: int, max_out: int):
             prompt += rng.choice(segments)
         reqs.append((prompt[:target], rng.randint(1, max_out)))
     return reqs
-
-
-@torch.inference_mode()
-def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def _run(engine: Engine, reqs, params_for, check_blocks: bool = True) -> dict:
@@ -128,17 +122,13 @@ def test_rejection_rule_keeps_the_target_distribution_and_a_biased_rule_fails():
 def test_greedy_with_ngram_equals_transformers_through_chunking_and_preemption(tmp_path, backend):
     hf = make_tiny_checkpoint(str(tmp_path), "llama")
     reqs = _repetitive_requests(seed=4, num=16, max_prompt=300, max_out=40)
-    engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64, max_num_batched_tokens=96,
-                               max_num_seqs=16, block_size=8, attention_backend=backend, speculative_config=NGRAM))
-    finished = _run(engine, reqs, lambda i, m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    engine, _ = assert_matches_hf(dict(model=str(tmp_path), num_gpu_blocks_override=64, max_num_batched_tokens=96,
+                                       max_num_seqs=16, block_size=8, attention_backend=backend,
+                                       speculative_config=NGRAM), reqs, hf, after_step=_check_tables_cover_only_computed)
     stats = engine.scheduler.stats
     assert stats.num_preemptions > 0
     assert stats.num_spec_accepted_tokens > 0, "no draft was ever accepted: the test exercises nothing"
     assert stats.num_spec_draft_tokens > stats.num_spec_accepted_tokens, "no draft was ever rejected"
-    for i, (prompt, max_tokens) in enumerate(reqs):
-        got = finished[str(i)].outputs[0]
-        assert got.token_ids == _hf_greedy(hf, prompt, max_tokens), f"request {i} differs"
-        assert got.finish_reason == "length"
 
 
 def test_speculation_changes_no_output_with_logprobs_stops_penalties_seeds_and_n(tiny_llama):
@@ -332,7 +322,7 @@ def test_policy_turns_off_for_a_wrong_proposer_and_back_on_when_it_is_right():
 def test_engine_turns_speculation_off_for_a_wrong_proposer_and_on_again(tiny_llama):
     path, hf = tiny_llama
     prompts = [[20 + i, 30 + i, 40 + i] for i in range(4)]
-    want = {i: _hf_greedy(hf, p, 120) for i, p in enumerate(prompts)}
+    want = {i: hf_greedy(hf, p, 120)[0] for i, p in enumerate(prompts)}
 
     class Switch:
         name = "switch"
@@ -394,16 +384,12 @@ def test_greedy_with_a_draft_model_equals_transformers_through_preemption(tiny_l
     spec = {"method": "draft_model", "model": path if draft == "same" else tiny_draft,
             "num_speculative_tokens": 3, "adaptive": False}
     reqs = _repetitive_requests(seed=8, num=12, max_prompt=200, max_out=30)
-    engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=36, max_num_batched_tokens=64, max_num_seqs=12,
-                               block_size=8, speculative_config=spec))
-    finished = _run(engine, reqs, lambda i, m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True),
-                    check_blocks=False)
+    engine, _ = assert_matches_hf(dict(model=path, num_gpu_blocks_override=36, max_num_batched_tokens=64,
+                                       max_num_seqs=12, block_size=8, speculative_config=spec), reqs, hf)
     stats = engine.scheduler.stats
     assert stats.num_preemptions > 0 and stats.num_spec_drafts > 0
     rate = stats.num_spec_accepted_tokens / stats.num_spec_draft_tokens
     assert rate > 0.9 if draft == "same" else rate < 0.5
-    for i, (prompt, max_tokens) in enumerate(reqs):
-        assert finished[str(i)].outputs[0].token_ids == _hf_greedy(hf, prompt, max_tokens), f"request {i}"
 
 
 def test_seeded_sampling_is_the_same_with_a_draft_model(tiny_llama):

@@ -31,9 +31,9 @@ def step_until_idle(engine, check_every_step: bool = True, after_step=None) -> d
     return finished
 
 
-def run_to_completion(engine, check_every_step: bool = True) -> dict:
+def run_to_completion(engine, check_every_step: bool = True, after_step=None) -> dict:
     """step_until_idle, then the prefix cache emptied: every block must be free again."""
-    finished = step_until_idle(engine, check_every_step)
+    finished = step_until_idle(engine, check_every_step, after_step)
     engine.scheduler.kv.reset_prefix_cache()
     assert engine.block_pool.counts()["free"] == engine.block_pool.num_blocks
     return finished

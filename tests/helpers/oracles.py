@@ -1,13 +1,16 @@
 """Oracles the engine is compared with: transformers' logits and greedy tokens, one forward pass of our
-paged model over a hand-built mixed batch, and dense attention over gathered K/V."""
+paged model over a hand-built mixed batch, and dense attention over gathered K/V; assert_matches_hf and
+assert_logits_match_hf put an engine side by side with transformers."""
 from __future__ import annotations
 
 import torch
 
+from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from tests.helpers.engine import run_to_completion
 
 
 def paged_logits(engine: Engine, batch: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
@@ -112,3 +115,32 @@ def dense_decode(q, ks, vs, scale):
         w = torch.softmax((qi[:, None, :] @ k.transpose(1, 2)).squeeze(1) * scale, dim=-1)
         out.append((w[:, None, :] @ v).squeeze(1))
     return torch.stack(out)
+
+
+def assert_matches_hf(engine_kwargs: dict | None, reqs: list[tuple[list[int], int]], hf, *, engine: Engine | None = None,
+                      check_every_step: bool = True, after_step=None) -> tuple[Engine, dict]:
+    """Greedy (prompt, max_tokens) requests, ignore_eos, all queued at once through an Engine built from
+    `engine_kwargs` (or the given `engine`): block invariants after every step (and `after_step(engine)`), every
+    block free once the prefix cache is emptied; each request's tokens equal transformers' greedy tokens from
+    `hf` and it ends by length. Returns the engine (for its stats) and the outputs by request index."""
+    if engine is None:
+        engine = Engine(EngineArgs(**engine_kwargs))
+    for i, (prompt, max_tokens) in enumerate(reqs):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    finished = run_to_completion(engine, check_every_step, after_step)
+    for i, (prompt, max_tokens) in enumerate(reqs):
+        got = finished[str(i)].outputs[0]
+        want, _ = hf_greedy(hf, prompt, max_tokens)
+        assert got.token_ids == want, f"request {i} ({len(prompt)} prompt tokens) differs"
+        assert got.finish_reason == "length"
+    return engine, finished
+
+
+def assert_logits_match_hf(engine: Engine, hf, batch: list[tuple[list[int], int, int]], atol: float,
+                           rtol: float) -> None:
+    """paged_logits over the (tokens, num_context, num_query) batch equal transformers' logits of the same
+    positions within the tolerances; the block invariants hold after it."""
+    for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
+        ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
+        torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    engine.scheduler.check_invariants()
