@@ -74,10 +74,24 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(arch="llama", tie=False, seed=0) -> (path, HF model), written once a session for each
+    (arch, tie, seed). Shared: a test copies the HF model before changing it and writes nothing into the path."""
+    made = {}
+
+    def get(arch: str = "llama", tie: bool = False, seed: int = 0):
+        if (arch, tie, seed) not in made:
+            path = str(tmp_path_factory.mktemp(f"tiny_{arch}{'_tied' if tie else ''}_{seed}"))
+            made[arch, tie, seed] = path, make_tiny_checkpoint(path, arch, tie, seed)
+        return made[arch, tie, seed]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoint):
     """(path, HF model) of a tiny Llama with untied embeddings."""
-    path = str(tmp_path_factory.mktemp("tiny_llama"))
-    return path, make_tiny_checkpoint(path, "llama")
+    return tiny_checkpoint("llama")
 
 
 @pytest.fixture(scope="session")

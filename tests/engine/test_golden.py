@@ -8,7 +8,6 @@ import pytest
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
-from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.engine import ATTENTION_BACKENDS
 from tests.helpers.golden import run_engine
 from tests.helpers.oracles import assert_matches_hf
@@ -22,12 +21,12 @@ def _requests(seed: int, num: int, vocab: int, max_prompt: int, max_out: int):
 
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tiny_golden_with_chunking_and_preemption(tmp_path, arch, backend):
-    hf = make_tiny_checkpoint(str(tmp_path), arch)
+def test_tiny_golden_with_chunking_and_preemption(tiny_checkpoint, arch, backend):
+    path, hf = tiny_checkpoint(arch)
     reqs = _requests(seed=1, num=18, vocab=49152, max_prompt=600, max_out=40)
     # 60 blocks x 16 = 960 tokens for ~5,000 tokens of demand: preemption is certain; 128-token budget
     # chunks every prompt over 128.
-    engine, _ = assert_matches_hf(dict(model=str(tmp_path), num_gpu_blocks_override=60, max_num_batched_tokens=128,
+    engine, _ = assert_matches_hf(dict(model=path, num_gpu_blocks_override=60, max_num_batched_tokens=128,
                                        max_num_seqs=16, attention_backend=backend), reqs, hf)
     assert engine.scheduler.stats.num_preemptions > 0
 

@@ -21,9 +21,9 @@ from tests.helpers.oracles import assert_logits_match_hf, mixed_batch
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 @pytest.mark.parametrize("tie", [False, True])
-def test_tiny_checkpoint_logits_match_transformers(tmp_path, arch, tie, backend):
-    hf = make_tiny_checkpoint(str(tmp_path), arch, tie=tie)
-    engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64, attention_backend=backend))
+def test_tiny_checkpoint_logits_match_transformers(tiny_checkpoint, arch, tie, backend):
+    path, hf = tiny_checkpoint(arch, tie)
+    engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=64, attention_backend=backend))
     assert_logits_match_hf(engine, hf, mixed_batch(seed=hash((arch, tie)) % 1000), atol=1e-4, rtol=1e-4)
     assert engine.block_pool.counts()["in_use"] == 0
 

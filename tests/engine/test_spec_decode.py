@@ -119,10 +119,10 @@ def test_rejection_rule_keeps_the_target_distribution_and_a_biased_rule_fails():
 
 # ---- greedy exactness ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
-def test_greedy_with_ngram_equals_transformers_through_chunking_and_preemption(tmp_path, backend):
-    hf = make_tiny_checkpoint(str(tmp_path), "llama")
+def test_greedy_with_ngram_equals_transformers_through_chunking_and_preemption(tiny_llama, backend):
+    path, hf = tiny_llama
     reqs = _repetitive_requests(seed=4, num=16, max_prompt=300, max_out=40)
-    engine, _ = assert_matches_hf(dict(model=str(tmp_path), num_gpu_blocks_override=64, max_num_batched_tokens=96,
+    engine, _ = assert_matches_hf(dict(model=path, num_gpu_blocks_override=64, max_num_batched_tokens=96,
                                        max_num_seqs=16, block_size=8, attention_backend=backend,
                                        speculative_config=NGRAM), reqs, hf, after_step=_check_tables_cover_only_computed)
     stats = engine.scheduler.stats

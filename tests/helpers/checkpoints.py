@@ -6,6 +6,8 @@ live in tests/conftest.py.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -30,11 +32,17 @@ def tiny_config(arch: str, tie: bool):
     raise ValueError(arch)
 
 
+@functools.lru_cache(maxsize=1)
+def _builtin_tokenizer():
+    """The built-in model's tokenizer, read from its GGUF file once a process (seconds each time otherwise)."""
+    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
+
+    return load_gguf_tokenizer(builtin_model_path())
+
+
 def make_tiny_checkpoint(path: str, arch: str = "llama", tie: bool = False, seed: int = 0):
     """Write a random tiny checkpoint + the SmolLM2 tokenizer to `path`; returns the HF model (oracle)."""
     import transformers as tf
-
-    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
 
     torch.manual_seed(seed)
     cfg = tiny_config(arch, tie)
@@ -44,5 +52,5 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", tie: bool = False, seed
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
-    load_gguf_tokenizer(builtin_model_path()).save_pretrained(path)
+    _builtin_tokenizer().save_pretrained(path)
     return model
