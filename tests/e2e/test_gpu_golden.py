@@ -1,6 +1,6 @@
 """Golden on the GPU: kvserve on CUDA (triton_paged attention, CUDA graphs for decodes) gives the greedy tokens
 of `transformers.generate` run on each request alone on the same GPU, for a tiny random Llama (exactly, in
-float32) and SmolLM2 (the built-in GGUF, dequantized: identical or a near-tie, as tests/test_golden.py
+float32) and SmolLM2 (the built-in GGUF, dequantized: identical or a near-tie, as tests/e2e/test_smollm2.py
 allows). Skipped without CUDA; scripts/gpu_check.sh runs them."""
 from __future__ import annotations
 
