@@ -1,6 +1,6 @@
 """The built-in SmolLM2-135M (GGUF) against transformers loading the same file: logits of a mixed batch, greedy
-tokens batched with preemptions vs transformers one request at a time, a peft adapter, and the Q4_1 blocks kept
-(--quantization gguf) vs the dequantized default."""
+tokens batched with preemptions vs transformers one request at a time, a peft adapter, the Q4_1 blocks kept
+(--quantization gguf) vs the dequantized default, and n-gram speculation vs none on the real model."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +15,7 @@ from kvserve import LLM, LoRARequest
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
+from tests.helpers.engine import check_tables_cover_only_computed, run_requests
 from tests.helpers.golden import count_identical_else_near_tie, run_engine, smollm2_requests
 from tests.helpers.oracles import assert_logits_match_hf
 
@@ -112,3 +113,21 @@ def test_smollm2_gguf_blocks_agree_with_the_dequantized_default(caplog):
     agreement = sum(a == b for a, b in pairs) / len(pairs)
     # The same Q4_1 numbers: only summation order differs, so a flip needs a near-tie.
     assert agreement >= 0.97, f"top-1 agreement {agreement:.3f} over {len(pairs)} positions"
+
+
+def test_greedy_smollm2_with_ngram_equals_no_speculation(smollm2_path):
+    """The real model on text that repeats itself (where lookup pays): same tokens, drafts accepted."""
+    engine = Engine(EngineArgs(num_gpu_blocks_override=64, max_num_batched_tokens=128,
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": True}))
+    tok = engine.tokenizer
+    lines = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 3}" for i in range(8))
+    prompts = [tok.encode(f"Repeat this code exactly:\n{lines}\n\nCopy:\n"), tok.encode("The capital of France is")]
+    reqs = [(p, 48) for p in prompts]
+    greedy = lambda i, m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
+    spec = run_requests(engine, reqs, greedy, check_tables_cover_only_computed)
+    assert engine.scheduler.stats.num_spec_accepted_tokens >= 10
+    plain = run_requests(Engine(EngineArgs(num_gpu_blocks_override=64, max_num_batched_tokens=128)), reqs, greedy,
+                         check_tables_cover_only_computed)
+    for rid in plain:
+        assert spec[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids

@@ -18,6 +18,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from kvserve.models import gguf_loader
 from kvserve.models.gguf_loader import builtin_model_path, iter_gguf_tensors, load_gguf_config, load_gguf_tokenizer
+from tests.helpers.checkpoints import builtin_tokenizer
 
 ORDINARY_TEXTS = [
     "Hello, world! How are you today?",
@@ -71,7 +72,7 @@ def builtin_tensors(builtin_path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def tokenizer(builtin_path):
-    return load_gguf_tokenizer(builtin_path)
+    return builtin_tokenizer()  # load_gguf_tokenizer(builtin_path), read once a session
 
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

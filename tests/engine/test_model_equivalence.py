@@ -13,7 +13,7 @@ import torch
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
-from tests.helpers.checkpoints import TINY_ARCHS, make_tiny_checkpoint
+from tests.helpers.checkpoints import TINY_ARCHS, builtin_tokenizer, make_tiny_checkpoint
 from tests.helpers.engine import ATTENTION_BACKENDS
 from tests.helpers.oracles import assert_logits_match_hf, mixed_batch
 
@@ -65,8 +65,6 @@ def test_head_dim_64_logits_match_transformers(tmp_path):
     path, decodes the dot-product one; the tiny checkpoints above (head_dim 16) take the generic path."""
     import transformers as tf
 
-    from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
-
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=1024,
@@ -77,7 +75,7 @@ def test_head_dim_64_logits_match_transformers(tmp_path):
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     hf.save_pretrained(str(tmp_path))
-    load_gguf_tokenizer(builtin_model_path()).save_pretrained(str(tmp_path))
+    builtin_tokenizer().save_pretrained(str(tmp_path))
     engine = Engine(EngineArgs(model=str(tmp_path), num_gpu_blocks_override=64, attention_backend="cpu_paged"))
     g = torch.Generator().manual_seed(7)
     batch = mixed_batch(seed=5) + [(torch.randint(0, 49152, (70,), generator=g).tolist(), 65, 5)]

@@ -18,7 +18,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.policy import DraftLengthPolicy
 from tests.helpers.checkpoints import make_tiny_checkpoint
-from tests.helpers.engine import ATTENTION_BACKENDS, check_engine_invariants, step_until_idle
+from tests.helpers.engine import (ATTENTION_BACKENDS, check_engine_invariants, check_tables_cover_only_computed,
+                                  run_requests)
 from tests.helpers.oracles import assert_matches_hf, hf_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -40,17 +41,7 @@ def _repetitive_requests(seed: int, num: int, max_prompt: int, max_out: int):
 
 
 def _run(engine: Engine, reqs, params_for, check_blocks: bool = True) -> dict:
-    for i, (prompt, max_tokens) in enumerate(reqs):
-        engine.add_request(str(i), prompt, params_for(i, max_tokens))
-    return step_until_idle(engine, after_step=_check_tables_cover_only_computed if check_blocks else None)
-
-
-def _check_tables_cover_only_computed(engine: Engine) -> None:
-    """After a step, no request holds a block past its verified tokens (rejected drafts gave theirs back)."""
-    sched = engine.scheduler
-    bs = sched.kv.block_size
-    for req in sched.running:
-        assert sched.kv.num_blocks_held(req.request_id) == -(-req.num_computed_tokens // bs), req.request_id
+    return run_requests(engine, reqs, params_for, check_tables_cover_only_computed if check_blocks else None)
 
 
 # ---- proposer, config, rule ---------------------------------------------------------------------------
@@ -124,7 +115,7 @@ def test_greedy_with_ngram_equals_transformers_through_chunking_and_preemption(t
     reqs = _repetitive_requests(seed=4, num=16, max_prompt=300, max_out=40)
     engine, _ = assert_matches_hf(dict(model=path, num_gpu_blocks_override=64, max_num_batched_tokens=96,
                                        max_num_seqs=16, block_size=8, attention_backend=backend,
-                                       speculative_config=NGRAM), reqs, hf, after_step=_check_tables_cover_only_computed)
+                                       speculative_config=NGRAM), reqs, hf, after_step=check_tables_cover_only_computed)
     stats = engine.scheduler.stats
     assert stats.num_preemptions > 0
     assert stats.num_spec_accepted_tokens > 0, "no draft was ever accepted: the test exercises nothing"
@@ -172,22 +163,6 @@ def test_speculation_changes_no_output_with_logprobs_stops_penalties_seeds_and_n
                     assert la.keys() == lb.keys()
                     assert all(math.isclose(la[t].logprob, lb[t].logprob, abs_tol=1e-4) for t in la)
     assert any(o.metrics.num_accepted_tokens for o in spec.values())
-
-
-def test_greedy_smollm2_with_ngram_equals_no_speculation(smollm2_path):
-    """The real model on text that repeats itself (where lookup pays): same tokens, drafts accepted."""
-    engine = Engine(EngineArgs(num_gpu_blocks_override=64, max_num_batched_tokens=128,
-                               speculative_config=dict(NGRAM, adaptive=True)))
-    tok = engine.tokenizer
-    lines = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 3}" for i in range(8))
-    prompts = [tok.encode(f"Repeat this code exactly:\n{lines}\n\nCopy:\n"), tok.encode("The capital of France is")]
-    reqs = [(p, 48) for p in prompts]
-    greedy = lambda i, m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
-    spec = _run(engine, reqs, greedy)
-    assert engine.scheduler.stats.num_spec_accepted_tokens >= 10
-    plain = _run(Engine(EngineArgs(num_gpu_blocks_override=64, max_num_batched_tokens=128)), reqs, greedy)
-    for rid in plain:
-        assert spec[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids
 
 
 # ---- the sampled distribution ------------------------------------------------------------------------

@@ -33,8 +33,9 @@ def tiny_config(arch: str, tie: bool):
 
 
 @functools.lru_cache(maxsize=1)
-def _builtin_tokenizer():
-    """The built-in model's tokenizer, read from its GGUF file once a process (seconds each time otherwise)."""
+def builtin_tokenizer():
+    """The built-in model's tokenizer, read from its GGUF file once a process (seconds each time otherwise).
+    Shared: do not change it."""
     from kvserve.models.gguf_loader import builtin_model_path, load_gguf_tokenizer
 
     return load_gguf_tokenizer(builtin_model_path())
@@ -52,5 +53,5 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", tie: bool = False, seed
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
-    _builtin_tokenizer().save_pretrained(path)
+    builtin_tokenizer().save_pretrained(path)
     return model

@@ -48,3 +48,19 @@ def run_last_after_prefix(engine, prompts: list, params) -> dict:
     engine.add_request(str(len(prompts) - 1), prompts[-1], params)
     done |= run_to_completion(engine)
     return done
+
+
+def run_requests(engine, reqs: list[tuple[list[int], int]], params_for, after_step=None) -> dict:
+    """(prompt, max_tokens) requests, request i with `params_for(i, max_tokens)`, stepped until idle with the
+    invariants (and `after_step(engine)`) after every step; the final outputs by request id ("0", "1", ...)."""
+    for i, (prompt, max_tokens) in enumerate(reqs):
+        engine.add_request(str(i), prompt, params_for(i, max_tokens))
+    return step_until_idle(engine, after_step=after_step)
+
+
+def check_tables_cover_only_computed(engine) -> None:
+    """After a step, no request holds a block past its verified tokens (rejected drafts gave theirs back)."""
+    sched = engine.scheduler
+    bs = sched.kv.block_size
+    for req in sched.running:
+        assert sched.kv.num_blocks_held(req.request_id) == -(-req.num_computed_tokens // bs), req.request_id

@@ -117,8 +117,9 @@ def dense_decode(q, ks, vs, scale):
     return torch.stack(out)
 
 
-def assert_matches_hf(engine_kwargs: dict | None, reqs: list[tuple[list[int], int]], hf, *, engine: Engine | None = None,
-                      check_every_step: bool = True, after_step=None) -> tuple[Engine, dict]:
+def assert_matches_hf(engine_kwargs: dict | None, reqs: list[tuple[list[int], int]], hf, *,
+                      engine: Engine | None = None, check_every_step: bool = True,
+                      after_step=None) -> tuple[Engine, dict]:
     """Greedy (prompt, max_tokens) requests, ignore_eos, all queued at once through an Engine built from
     `engine_kwargs` (or the given `engine`): block invariants after every step (and `after_step(engine)`), every
     block free once the prefix cache is emptied; each request's tokens equal transformers' greedy tokens from

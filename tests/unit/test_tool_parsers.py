@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvserve.server.config import ServerConfig
 from kvserve.server.tool_parsers import (NamedCallParser, RequiredCallsParser, StreamDelta, get_tool_parser,
                                          infer_tool_parser, resolve_tool_parser)
+from tests.helpers.checkpoints import builtin_tokenizer
 from tests.helpers.tool_calling import HERMES, SMOLLM2
 
 
@@ -177,10 +178,8 @@ def test_required_and_named_parsers():
 
 
 # ---- registry, inference, flags -----------------------------------------------------------------
-def test_parser_registry_and_inference(smollm2_path):
-    from kvserve.models.gguf_loader import load_gguf_tokenizer
-
-    builtin = load_gguf_tokenizer(smollm2_path).chat_template
+def test_parser_registry_and_inference():
+    builtin = builtin_tokenizer().chat_template  # load_gguf_tokenizer(builtin_model_path()), read once a session
     assert "tools" not in builtin  # NOTE: the built-in template ignores tools, hence the fallback template
     assert infer_tool_parser(builtin) is SMOLLM2
     assert infer_tool_parser("{{ '<tool_call>\\n' }}{{ tools }}") is HERMES
