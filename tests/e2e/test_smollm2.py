@@ -1,6 +1,7 @@
 """The built-in SmolLM2-135M (GGUF) against transformers loading the same file: logits of a mixed batch, greedy
 tokens batched with preemptions vs transformers one request at a time, a peft adapter, the Q4_1 blocks kept
-(--quantization gguf) vs the dequantized default, and n-gram speculation vs none on the real model."""
+(--quantization gguf) vs the dequantized default, n-gram speculation vs none on the real model, and
+the GGUF loader's tensors vs transformers'."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.engine import check_tables_cover_only_computed, run_requests
+from tests.helpers.gguf import hf_gguf_config, hf_gguf_tensors
 from tests.helpers.golden import count_identical_else_near_tie, run_engine, smollm2_requests
 from tests.helpers.oracles import assert_logits_match_hf
 
@@ -131,3 +133,24 @@ def test_greedy_smollm2_with_ngram_equals_no_speculation(smollm2_path):
                          check_tables_cover_only_computed)
     for rid in plain:
         assert spec[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids
+
+
+def test_builtin_state_dict_equals_transformers(smollm2_path):
+    """kvserve's GGUF loader on the built-in file: the tensors transformers loads, exactly (loader details:
+    tests/engine/test_gguf_loader.py)."""
+    from transformers import LlamaForCausalLM
+
+    from kvserve.models.gguf_loader import iter_gguf_tensors, load_gguf_config
+
+    builtin_tensors = dict(iter_gguf_tensors(smollm2_path))
+    expected = hf_gguf_tensors(smollm2_path, hf_gguf_config(smollm2_path))
+    assert set(builtin_tensors) == set(expected)
+    assert "lm_head.weight" not in builtin_tensors  # tied: the file has no output.weight
+    for name, tensor in builtin_tensors.items():
+        assert tensor.dtype == torch.float32, name
+        assert tensor.shape == expected[name].shape, name
+        assert torch.equal(tensor, expected[name]), name
+    # Together with the tied LM head these are exactly the HF model's parameters.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(load_gguf_config(smollm2_path))
+    assert set(model.state_dict()) == set(builtin_tensors) | {"lm_head.weight"}

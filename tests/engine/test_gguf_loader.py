@@ -1,7 +1,7 @@
 """kvserve.models.gguf_loader against transformers' own GGUF support (the oracle).
 
-The built-in model is loaded once per module (two copies of ~540 MB, ~30 s on 2 cores);
-the error and permutation cases use tiny GGUF files written with `gguf.GGUFWriter`.
+The built-in model is loaded once per module (~540 MB; its tensors against transformers' are in
+tests/e2e/test_smollm2.py); the error and permutation cases use tiny GGUF files written with `gguf.GGUFWriter`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers import AutoTokenizer
 
 from kvserve.models import gguf_loader
 from kvserve.models.gguf_loader import builtin_model_path, iter_gguf_tensors, load_gguf_config, load_gguf_tokenizer
 from tests.helpers.checkpoints import builtin_tokenizer
+from tests.helpers.gguf import hf_gguf_config, hf_gguf_tensors
 
 ORDINARY_TEXTS = [
     "Hello, world! How are you today?",
@@ -40,24 +40,9 @@ def builtin_path() -> str:
         pytest.skip(str(exc))
 
 
-def _hf_config(path: str):
-    return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-
-
-def _hf_tensors(path: str, config=None) -> dict[str, torch.Tensor]:
-    """What `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` loads into the model.
-
-    NOTE: from_pretrained with gguf_file insists on `accelerate` (not a kvserve dependency),
-    so call the function it delegates to, `load_gguf_checkpoint`, with the same arguments.
-    """
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config if config is not None else _hf_config(path))
-    return load_gguf_checkpoint(path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)["tensors"]
-
-
 @pytest.fixture(scope="module")
 def hf_builtin_config(builtin_path):
-    return _hf_config(builtin_path)
+    return hf_gguf_config(builtin_path)
 
 
 @pytest.fixture(scope="module")
@@ -145,20 +130,6 @@ def _write_tiny_llama(path, *, tied=True, extra_tensors=(), rope_scaling=None, n
 # --------------------------------------------------------------------------- built-in model vs transformers
 
 
-def test_builtin_state_dict_equals_transformers(builtin_path, hf_builtin_config, builtin_config, builtin_tensors):
-    expected = _hf_tensors(builtin_path, hf_builtin_config)
-    assert set(builtin_tensors) == set(expected)
-    assert "lm_head.weight" not in builtin_tensors  # tied: the file has no output.weight
-    for name, tensor in builtin_tensors.items():
-        assert tensor.dtype == torch.float32, name
-        assert tensor.shape == expected[name].shape, name
-        assert torch.equal(tensor, expected[name]), name
-    # Together with the tied LM head these are exactly the HF model's parameters.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(builtin_config)
-    assert set(model.state_dict()) == set(builtin_tensors) | {"lm_head.weight"}
-
-
 def test_builtin_shapes_and_parameter_count(builtin_tensors):
     assert builtin_tensors["model.embed_tokens.weight"].shape == (49152, 576)
     assert builtin_tensors["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
@@ -237,7 +208,7 @@ def test_tiny_llama_round_trip_reverses_qk_permutation(tmp_path, tied):
         assert torch.equal(tensor, expected[name]), name
     assert load_gguf_config(str(path)).tie_word_embeddings is tied
     # The same file through transformers: agreement on a GQA shape other than SmolLM2's.
-    hf = _hf_tensors(str(path))
+    hf = hf_gguf_tensors(str(path))
     for name, tensor in hf.items():
         assert torch.equal(tensor, tensors[name]), name
 
