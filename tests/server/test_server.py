@@ -28,7 +28,7 @@ import referencing.jsonschema
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-SPEC = Path(__file__).resolve().parents[1].parent / "shared" / "specs" / "openai-openapi.yml"
+SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "specs" / "openai-openapi.yml"
 API_KEY = "sk-test-key"
 MAX_NUM_SEQS, MAX_QUEUE_LEN = 16, 16
 
