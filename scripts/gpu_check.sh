@@ -8,7 +8,7 @@
 # Run from anywhere: it works in the repository root. Needs no network: it uses the Python that has torch
 # with CUDA (PYTHON=..., else .venv/bin/python, else python3) and the source tree on PYTHONPATH; wheels of
 # anything missing may be carried in ./.whl (installed with --no-index into a scratch folder).
-# Env: PYTHON, KVSERVE_WORKLOAD (mixed.jsonl; default: ./shared, ../shared, /work/shared, else synthetic
+# Env: PYTHON, KVSERVE_WORKLOAD (mixed.jsonl; default: the packaged kvserve/bench/workloads, ./shared, ../shared, /work/shared, else synthetic
 # prompts of its lengths), GPU_CHECK_OUT (results folder; default $OUT or /tmp/kvserve-gpu-check).
 # Exit status: 0 only if every stage ran and passed; the table says which did not.
 set -uo pipefail
@@ -45,7 +45,7 @@ fi
 
 WORKLOAD=${KVSERVE_WORKLOAD:-}
 if [ -z "$WORKLOAD" ]; then
-    for w in shared/workloads/mixed.jsonl ../shared/workloads/mixed.jsonl /work/shared/workloads/mixed.jsonl; do
+    for w in kvserve/bench/workloads/mixed.jsonl shared/workloads/mixed.jsonl ../shared/workloads/mixed.jsonl /work/shared/workloads/mixed.jsonl; do
         [ -f "$w" ] && { WORKLOAD=$w; break; }
     done
 fi
@@ -53,8 +53,8 @@ echo "gpu_check: workload ${WORKLOAD:-none found, synthetic prompts of the same 
 
 # 1. the GPU tests (capped at 220 s; with the bench's 200 s the run stays under 8 minutes)
 start=$(date +%s)
-timeout 220 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_triton_attention.py tests/test_cuda_graph.py \
-    tests/test_gpu_golden.py 2>&1 | tee "$RESULTS/pytest.log"
+timeout 220 "$PY" -m pytest -q -p no:cacheprovider -rs tests/e2e/test_triton_attention.py tests/e2e/test_cuda_graph.py \
+    tests/e2e/test_gpu_golden.py 2>&1 | tee "$RESULTS/pytest.log"
 rc=${PIPESTATUS[0]}
 summary=$(grep -E '[0-9]+ (passed|failed|error)' "$RESULTS/pytest.log" | tail -1)
 if [ "$rc" -eq 0 ]; then row "GPU tests" PASS "$summary ($(( $(date +%s) - start )) s)"

@@ -11,7 +11,7 @@ are walked a page at a time with an online softmax in float32 (FlashAttention's 
 bottom-right causal (query j of a chunk with `ctx` cached tokens sees positions <= ctx + j).
 
 Importing this module needs triton. With TRITON_INTERPRET=1 set before the import, the kernels run on CPU
-tensors through Triton's interpreter (tests/test_triton_attention.py).
+tensors through Triton's interpreter (tests/e2e/test_triton_attention.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`kvserve bench compare`: kvserve and its CPU peers on the same machine, the same weights, one at a time.
 
-For each workload (../shared/workloads/{mixed,prefix,interference}.jsonl by default) each engine is started
+For each workload (the built-in mixed, prefix and interference by default) each engine is started
 fresh (a cold prefix cache for every workload), warmed up with one short request, sent the workload's token
 ids with its arrival times (greedy, ignore_eos as the workload says), and stopped. One table per workload:
 output and total tok/s, TTFT and inter-token latency p50/p99, kvserve's throughput ratio to each peer, and how
@@ -35,7 +35,7 @@ from kvserve.bench.peers import PEERS, PRESETS, Peer, PeerEnv, PeerError, RunSet
     ensure_venv, expand_peers, log_tail, run_logged, server_command, thread_env
 from kvserve.bench import compare_targets
 from kvserve.bench.compare_targets import decode_tok_s, targets as _targets
-from kvserve.bench.workload import WorkloadRequest, load_workload
+from kvserve.bench.workload import WORKLOAD_DIR, WorkloadRequest, load_workload
 
 _WORKLOADS = ("mixed", "prefix", "interference")
 DECODE1 = compare_targets.DECODE1  # built in: single-stream decode, one request of 256 output tokens
@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + "; all")
     parser.add_argument("--workloads", default=",".join(_WORKLOADS),
                         help="comma-separated workload names (files NAME.jsonl in --workload-dir) or .jsonl paths")
-    parser.add_argument("--workload-dir", default=os.path.join("..", "shared", "workloads"))
+    parser.add_argument("--workload-dir", default=WORKLOAD_DIR,
+                        help="folder of the NAME.jsonl files (default: the built-in workloads)")
     parser.add_argument("--peers-dir", default=".peers", help="venvs, weights, logs and results (git-ignored)")
     parser.add_argument("--threads", type=int, default=2, help="compute threads of every engine")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,

@@ -19,15 +19,15 @@ import os
 import time
 
 from kvserve.bench.serve import _stats
-from kvserve.bench.workload import WorkloadRequest, load_workload
+from kvserve.bench.workload import WORKLOAD_DIR, WorkloadRequest, load_workload
 from kvserve.cli.standalone import standalone_main
 from kvserve.config import EngineArgs
 from kvserve.config.engine_args import DEFAULT_TARGET_ITL_MS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload-dir", default=os.path.join("..", "shared", "workloads"),
-                        help="folder holding interference.jsonl and mixed.jsonl")
+    parser.add_argument("--workload-dir", default=WORKLOAD_DIR,
+                        help="folder holding interference.jsonl and mixed.jsonl (default: the built-in workloads)")
     parser.add_argument("--targets", default=None,
                         help="comma-separated --target-itl-ms values to compare (default: the engine's "
                              f"--target-itl-ms, or {DEFAULT_TARGET_ITL_MS:g} where that is 0, then 0)")

@@ -27,7 +27,7 @@ _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default=os.path.join("..", "shared", "workloads", "mixed.jsonl"))
+    parser.add_argument("--workload", default="mixed", help="workload .jsonl file, or a built-in name")
     parser.add_argument("--num-adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16, help="rank of the random adapters")
     parser.add_argument("--skip-separate", action="store_true",

@@ -41,8 +41,8 @@ class RunResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", required=True, help="JSONL workload (token ids), e.g. "
-                                                          "../shared/workloads/mixed.jsonl")
+    parser.add_argument("--workload", required=True, help="JSONL workload (token ids), or a built-in "
+                                                          "name: mixed, prefix, interference, repeat")
     parser.add_argument("--num-requests", type=int, help="use only the first N requests (default: all)")
     parser.add_argument("--baselines", default=",".join(_BASELINES),
                         help=f"comma-separated subset of {', '.join(_BASELINES)}, or 'none'")

@@ -62,8 +62,8 @@ class PrefixRun:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", required=True, help="JSONL workload (token ids), e.g. "
-                                                          "../shared/workloads/prefix.jsonl")
+    parser.add_argument("--workload", required=True, help="JSONL workload (token ids), or a built-in "
+                                                          "name: mixed, prefix, interference, repeat")
     parser.add_argument("--num-requests", type=int, help="use only the first N requests (default: all)")
     parser.add_argument("--json", action="store_true", help="print results as JSON too")
     group = parser.add_argument_group("engine (--enable-prefix-caching is set by the benchmark, both ways)")

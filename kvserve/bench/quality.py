@@ -41,7 +41,7 @@ class Distributions:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default="../shared/workloads/mixed.jsonl", help="prompts (.jsonl)")
+    parser.add_argument("--workload", default="mixed", help="prompts (.jsonl, or a built-in name)")
     parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of the workload (all)")
     parser.add_argument("--quantization", default="int8",
                         help="comma-separated weight quantizations (the engine's --quantization values) to "

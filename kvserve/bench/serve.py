@@ -40,7 +40,7 @@ class RequestResult:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--workload", required=True, help="workload .jsonl file (one request per line)")
+    parser.add_argument("--workload", required=True, help="workload .jsonl file (one request per line), or a built-in name")
     parser.add_argument("--model", default=None, help="model name to send; default: the first of /v1/models")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="most requests in flight at once (default: no limit)")

@@ -19,7 +19,7 @@ _BUCKETS = ("prompt >= 256", "prompt < 256", "decode >= 32", "decode 8-31", "dec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", required=True, help="JSONL workload (token ids)")
+    parser.add_argument("--workload", required=True, help="JSONL workload (token ids), or a built-in name")
     parser.add_argument("--num-requests", type=int, help="use only the first N requests (default: all)")
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
 

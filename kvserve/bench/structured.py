@@ -50,7 +50,7 @@ class SideResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default="../shared/workloads/mixed.jsonl", help="workload .jsonl file")
+    parser.add_argument("--workload", default="mixed", help="workload .jsonl file, or a built-in name")
     parser.add_argument("--schema", default=None,
                         help="a JSON schema file for the constrained side (default: a built-in object schema "
                              "with strings, an enum, an array and an integer)")

@@ -25,7 +25,7 @@ from kvserve.cli.standalone import standalone_main
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--workload", required=True, help="workload .jsonl file (one request per line)")
+    parser.add_argument("--workload", required=True, help="workload .jsonl file (one request per line), or a built-in name")
     parser.add_argument("--rates", default="1,2,4,8,16,inf",
                         help="comma-separated request rates (requests/s; inf: all at once)")
     parser.add_argument("--label", default=None, help="this engine's name in the plot (default: the model name)")

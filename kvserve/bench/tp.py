@@ -16,11 +16,8 @@ import time
 from kvserve.bench.tp_cost import LLAMA_3_70B, format_table, table
 from kvserve.bench.workload import load_workload
 
-_DEFAULT_WORKLOAD = "/work/shared/workloads/mixed.jsonl"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default=_DEFAULT_WORKLOAD, help="JSONL workload (token ids)")
+    parser.add_argument("--workload", default="mixed", help="JSONL workload (token ids), or a built-in name")
     parser.add_argument("--num-requests", type=int, help="use only the first N requests (default: all)")
     parser.add_argument("--model", default=None,
                         help="Hugging Face folder whose heads N divides; default: a random SmolLM2-shaped Llama "

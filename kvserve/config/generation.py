@@ -16,7 +16,7 @@ from typing import Any
 # NOTE: with the model card's example (temperature 0.2, top_p 0.9, 50 new tokens) the quick start's question is
 # sometimes answered "L'Étoile, la Marseillaise, la femme, la femme...": the first tokens "The" and "L" are
 # nearly tied. Cooler, narrower sampling plus a light repetition penalty keeps to "The capital of France is
-# Paris." (tests/test_generation_config.py holds it to 9 of 10 seeded runs through the server).
+# Paris." (tests/server/test_generation_config.py holds it to 9 of 10 seeded runs through the server).
 BUILTIN_DEFAULTS: dict[str, Any] = {"temperature": 0.1, "top_p": 0.5, "repetition_penalty": 1.1, "max_tokens": 50}
 
 # generation_config.json key -> SamplingParams field

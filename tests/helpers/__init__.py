@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny checkpoints, engine stepping with invariants, oracles against transformers."""
