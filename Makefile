@@ -31,8 +31,9 @@ generate: install
 
 # Test tiers (tests/conftest.py): unit (no model), engine (tiny checkpoints in process), server (the app in
 # process), e2e (subprocesses, README blocks, TP/Ray, kernel builds, Triton interpreter, SmolLM2, GPU).
-# `test` runs every tier, the engine tier on every CPU attention backend (CI: .ci/run).
-test: install
+# `test` checks the layering contract, then runs every tier, the engine tier on every CPU attention backend
+# (CI: .ci/run).
+test: install lint
 	$(BIN)/python -m pytest -q --all-backends --durations=15
 
 # The tier to run after each change: unit + engine + server, one attention backend, no `slow` tests.
