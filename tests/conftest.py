@@ -19,6 +19,9 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # Golden and equivalence tests run on each CPU attention backend: the reference and the C++ kernel one.
 ATTENTION_BACKENDS = ("cpu_paged", "torch_ref")
 
+# Server fixtures and OpenAI's schemas (tests/helpers/server.py).
+pytest_plugins = ["helpers.server"]
+
 
 def pytest_addoption(parser):
     parser.addoption("--fuzz-examples", type=int, default=15,
