@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_tiny_checkpoint
-from test_server import start_server, stop_server
+from helpers.server import start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
