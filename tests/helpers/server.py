@@ -50,10 +50,11 @@ class _Clients:
 
     base_url: str
 
-    def transport(self) -> httpx.BaseTransport | None:
-        return None  # a real socket
+    def transport(self, lib=httpx):
+        """The transport of `lib`'s clients (httpx, or httpx2 for the SDKs); None: a real socket."""
+        return None
 
-    def async_transport(self) -> httpx.AsyncBaseTransport | None:
+    def async_transport(self, lib=httpx):
         return None
 
     def http(self, headers: dict | None = None, timeout: float | httpx.Timeout = 60, **kwargs) -> httpx.Client:
@@ -83,8 +84,10 @@ class _Clients:
     def async_openai(self, api_key: str = API_KEY, timeout: float = 60):
         import openai
 
-        transport = self.async_transport()
-        extra = {} if transport is None else {"http_client": httpx.AsyncClient(transport=transport, timeout=timeout)}
+        import httpx2
+
+        transport = self.async_transport(httpx2)
+        extra = {} if transport is None else {"http_client": httpx2.AsyncClient(transport=transport, timeout=timeout)}
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=timeout,
                                   **extra)
 
@@ -96,9 +99,11 @@ class _Clients:
                                    **self._sdk_http_client(timeout))
 
     def _sdk_http_client(self, timeout: float) -> dict:
-        """An SDK client's own httpx client over a real socket; over ours to reach an in-process app."""
-        transport = self.transport()
-        return {} if transport is None else {"http_client": httpx.Client(transport=transport, timeout=timeout)}
+        """An SDK client's own httpx2 client over a real socket; over ours to reach an in-process app."""
+        import httpx2
+
+        transport = self.transport(httpx2)
+        return {} if transport is None else {"http_client": httpx2.Client(transport=transport, timeout=timeout)}
 
 
 def parse_serve_flags(model: str | None, *flags: str):
@@ -207,11 +212,11 @@ class AppServer(_Clients):
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(exchange.leave)
 
-    def transport(self) -> httpx.BaseTransport:
-        return _AppTransport(self)
+    def transport(self, lib=httpx):
+        return _transports(lib)[0](self)
 
-    def async_transport(self) -> httpx.AsyncBaseTransport:
-        return _AsyncAppTransport(self)
+    def async_transport(self, lib=httpx):
+        return _transports(lib)[1](self)
 
 
 async def _cancel_other_tasks() -> None:
@@ -254,6 +259,7 @@ class _Lifespan:
 
 
 _uvicorn_logger = logging.getLogger("uvicorn.error")
+_CUT_SHORT = object()
 
 
 class _Exchange:
@@ -265,7 +271,7 @@ class _Exchange:
     def __init__(self, app, scope: dict, chunks: list[bytes]):
         self.chunks = deque(chunks or [b""])
         self.started: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.body: asyncio.Queue = asyncio.Queue()  # bytes; None at the end; an exception if cut short
+        self.body: asyncio.Queue = asyncio.Queue()  # bytes; None at the end; _CUT_SHORT if cut short
         self.wake = asyncio.Event()
         self.disconnected = self.complete = False
         self.task = asyncio.ensure_future(self._run(app, scope))
@@ -318,8 +324,7 @@ class _Exchange:
             self.body.put_nowait(b"Internal Server Error")
             self.body.put_nowait(None)
         elif not self.complete:  # uvicorn closes the connection: the body ends short
-            self.body.put_nowait(httpx.RemoteProtocolError("peer closed connection without sending complete "
-                                                           "message body"))
+            self.body.put_nowait(_CUT_SHORT)
         self.complete = True
         self.wake.set()
 
@@ -344,96 +349,106 @@ class _Exchange:
             self.wake.set()
 
 
-def _scope(request: httpx.Request) -> dict:
-    url = request.url
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-            "server": (url.host, url.port or 80), "client": ("127.0.0.1", 50000), "scheme": url.scheme,
-            "root_path": "", "method": request.method, "path": unquote(url.path),
-            "raw_path": url.raw_path.split(b"?", 1)[0], "query_string": url.query,
-            "headers": [(k.lower(), v) for k, v in request.headers.raw], "state": {}}
+def _transports(lib):
+    """The (sync, async) transport classes to the app for httpx or httpx2 (the SDKs' fork of it, whose
+    clients take only its own classes): the same code over either module's types."""
+    if lib not in _TRANSPORTS:
+        _TRANSPORTS[lib] = _make_transports(lib)
+    return _TRANSPORTS[lib]
 
 
-def _read_timeout(request: httpx.Request) -> float | None:
-    return request.extensions.get("timeout", {}).get("read")
+_TRANSPORTS: dict = {}
 
 
-def _timed_out(request: httpx.Request) -> httpx.ReadTimeout:
-    return httpx.ReadTimeout("timed out", request=request)
+def _make_transports(lib):
+    def timed_out(request):
+        return lib.ReadTimeout("timed out", request=request)
 
+    def read_timeout(request) -> float | None:
+        return request.extensions.get("timeout", {}).get("read")
 
-class _AppTransport(httpx.BaseTransport):
-    """httpx -> the app, from any thread but the app's; see _Exchange."""
+    def scope(request) -> dict:
+        url = request.url
+        return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                "server": (url.host, url.port or 80), "client": ("127.0.0.1", 50000), "scheme": url.scheme,
+                "root_path": "", "method": request.method, "path": unquote(url.path),
+                "raw_path": url.raw_path.split(b"?", 1)[0], "query_string": url.query,
+                "headers": [(k.lower(), v) for k, v in request.headers.raw], "state": {}}
 
-    def __init__(self, server: AppServer):
-        self.server = server
+    def chunk_or_raise(chunk, request):
+        if chunk is _CUT_SHORT:  # uvicorn closed the connection mid-body
+            raise lib.RemoteProtocolError("peer closed connection without sending complete message body",
+                                          request=request)
+        return chunk
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        read = _read_timeout(request)
-        exchange = self.server.call(_Exchange.open(self.server.app, _scope(request), list(request.stream)))
-        try:
-            status, headers = self.server.call(exchange.response_start(read))
-        except TimeoutError:
-            raise _timed_out(request) from None
-        return httpx.Response(status, headers=headers, stream=_Body(self.server, exchange, request, read),
-                              request=request)
+    class Body(lib.SyncByteStream):
+        def __init__(self, server: AppServer, exchange: _Exchange, request, read: float | None):
+            self.server, self.exchange, self.request, self.read = server, exchange, request, read
 
+        def __iter__(self) -> Iterator[bytes]:
+            while True:
+                try:
+                    chunk = self.server.call(self.exchange.next_body(self.read))
+                except TimeoutError:
+                    raise timed_out(self.request) from None
+                if chunk is None:
+                    return
+                yield chunk_or_raise(chunk, self.request)
 
-class _Body(httpx.SyncByteStream):
-    def __init__(self, server: AppServer, exchange: _Exchange, request: httpx.Request, read: float | None):
-        self.server, self.exchange, self.request, self.read = server, exchange, request, read
+        def close(self) -> None:
+            self.server.leave(self.exchange)
 
-    def __iter__(self) -> Iterator[bytes]:
-        while True:
+    class Transport(lib.BaseTransport):
+        """A client -> the app, from any thread but the app's; see _Exchange."""
+
+        def __init__(self, server: AppServer):
+            self.server = server
+
+        def handle_request(self, request):
+            read = read_timeout(request)
+            exchange = self.server.call(_Exchange.open(self.server.app, scope(request), list(request.stream)))
             try:
-                chunk = self.server.call(self.exchange.next_body(self.read))
+                status, headers = self.server.call(exchange.response_start(read))
             except TimeoutError:
-                raise _timed_out(self.request) from None
-            if chunk is None:
-                return
-            if isinstance(chunk, Exception):
-                raise chunk
-            yield chunk
+                raise timed_out(request) from None
+            return lib.Response(status, headers=headers, stream=Body(self.server, exchange, request, read),
+                                request=request)
 
-    def close(self) -> None:
-        self.server.leave(self.exchange)
+    class AsyncBody(lib.AsyncByteStream):
+        def __init__(self, server: AppServer, exchange: _Exchange, request, read: float | None):
+            self.server, self.exchange, self.request, self.read = server, exchange, request, read
 
+        async def __aiter__(self):
+            while True:
+                try:
+                    chunk = await self.server.acall(self.exchange.next_body(self.read))
+                except TimeoutError:
+                    raise timed_out(self.request) from None
+                if chunk is None:
+                    return
+                yield chunk_or_raise(chunk, self.request)
 
-class _AsyncAppTransport(httpx.AsyncBaseTransport):
-    """httpx's async client -> the app, from another event loop; see _Exchange."""
+        async def aclose(self) -> None:
+            self.server.leave(self.exchange)
 
-    def __init__(self, server: AppServer):
-        self.server = server
+    class AsyncTransport(lib.AsyncBaseTransport):
+        """An async client, on an event loop of its own -> the app; see _Exchange."""
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        read = _read_timeout(request)
-        chunks = [chunk async for chunk in request.stream]
-        exchange = await self.server.acall(_Exchange.open(self.server.app, _scope(request), chunks))
-        try:
-            status, headers = await self.server.acall(exchange.response_start(read))
-        except TimeoutError:
-            raise _timed_out(request) from None
-        return httpx.Response(status, headers=headers, stream=_AsyncBody(self.server, exchange, request, read),
-                              request=request)
+        def __init__(self, server: AppServer):
+            self.server = server
 
-
-class _AsyncBody(httpx.AsyncByteStream):
-    def __init__(self, server: AppServer, exchange: _Exchange, request: httpx.Request, read: float | None):
-        self.server, self.exchange, self.request, self.read = server, exchange, request, read
-
-    async def __aiter__(self):
-        while True:
+        async def handle_async_request(self, request):
+            read = read_timeout(request)
+            chunks = [chunk async for chunk in request.stream]
+            exchange = await self.server.acall(_Exchange.open(self.server.app, scope(request), chunks))
             try:
-                chunk = await self.server.acall(self.exchange.next_body(self.read))
+                status, headers = await self.server.acall(exchange.response_start(read))
             except TimeoutError:
-                raise _timed_out(self.request) from None
-            if chunk is None:
-                return
-            if isinstance(chunk, Exception):
-                raise chunk
-            yield chunk
+                raise timed_out(request) from None
+            return lib.Response(status, headers=headers, stream=AsyncBody(self.server, exchange, request, read),
+                                request=request)
 
-    async def aclose(self) -> None:
-        self.server.leave(self.exchange)
+    return Transport, AsyncTransport
 
 
 def in_process(model: str | None, *flags: str, env: dict[str, str] | None = None) -> Iterator[AppServer]:
