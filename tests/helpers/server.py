@@ -37,6 +37,9 @@ from urllib.parse import unquote
 
 import httpx
 import pytest
+import requests
+import requests.adapters
+import urllib3
 
 API_KEY = "sk-test-key"
 # What every test server runs with unless a test's flags say otherwise.
@@ -97,6 +100,10 @@ class _Clients:
 
         return anthropic.Anthropic(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=timeout,
                                    **self._sdk_http_client(timeout))
+
+    def requests_session(self):
+        """A `requests` session that reaches the server (schemathesis sends its cases with `requests`)."""
+        return requests.Session()
 
     def _sdk_http_client(self, timeout: float) -> dict:
         """An SDK client's own httpx2 client over a real socket; over ours to reach an in-process app."""
@@ -214,6 +221,11 @@ class AppServer(_Clients):
 
     def transport(self, lib=httpx):
         return _transports(lib)[0](self)
+
+    def requests_session(self):
+        session = super().requests_session()
+        session.mount(self.base_url, _RequestsAdapter(self))
+        return session
 
     def async_transport(self, lib=httpx):
         return _transports(lib)[1](self)
@@ -449,6 +461,58 @@ def _make_transports(lib):
                                 request=request)
 
     return Transport, AsyncTransport
+
+
+class _RequestsAdapter(requests.adapters.HTTPAdapter):
+    """`requests` -> the app: the prepared request (its bytes as `requests` encoded them) goes through the
+    httpx transport; the response comes back as urllib3's, read as it streams (closing it disconnects)."""
+
+    def __init__(self, server: AppServer):
+        super().__init__()
+        self.server = server
+
+    def send(self, request, stream=False, timeout=None, verify=True, cert=None, proxies=None):
+        read = timeout[1] if isinstance(timeout, tuple) else timeout
+        body = request.body.encode() if isinstance(request.body, str) else request.body
+        outgoing = httpx.Request(request.method, request.url, headers=list(request.headers.items()), content=body,
+                                 extensions={"timeout": {"connect": read, "read": read, "write": read,
+                                                         "pool": read}})
+        try:
+            response = self.server.transport().handle_request(outgoing)
+        except httpx.ReadTimeout as e:
+            raise requests.exceptions.ReadTimeout(e, request=request) from None
+        raw = urllib3.HTTPResponse(body=io.BufferedReader(_RawStream(response)),
+                                   headers=urllib3.HTTPHeaderDict(response.headers.multi_items()),
+                                   status=response.status_code, reason=response.reason_phrase, version=11,
+                                   version_string="HTTP/1.1", preload_content=False, decode_content=False,
+                                   request_method=request.method, request_url=request.url)
+        built = self.build_response(request, raw)
+        if not stream:
+            built.content  # noqa: B018  (read now, as requests does without stream=True)
+        return built
+
+
+class _RawStream(io.RawIOBase):
+    """An httpx response's body as a file (what urllib3 reads from a socket)."""
+
+    def __init__(self, response: httpx.Response):
+        self.response, self.chunks, self.pending = response, response.iter_raw(), b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.pending:
+            self.pending = next(self.chunks, b"")
+            if not self.pending:
+                return 0
+        n = min(len(buffer), len(self.pending))
+        buffer[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
+
+    def close(self) -> None:
+        self.response.close()
+        super().close()
 
 
 def in_process(model: str | None, *flags: str, env: dict[str, str] | None = None) -> Iterator[AppServer]:
