@@ -36,6 +36,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import httpx
+import httpx2
 import pytest
 import requests
 import requests.adapters
@@ -87,12 +88,8 @@ class _Clients:
     def async_openai(self, api_key: str = API_KEY, timeout: float = 60):
         import openai
 
-        import httpx2
-
-        transport = self.async_transport(httpx2)
-        extra = {} if transport is None else {"http_client": httpx2.AsyncClient(transport=transport, timeout=timeout)}
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=timeout,
-                                  **extra)
+                                  **self._sdk_http_client(timeout, asynchronous=True))
 
     def anthropic(self, api_key: str = API_KEY, timeout: float = 60):
         """The `anthropic` client, no retries."""
@@ -101,16 +98,18 @@ class _Clients:
         return anthropic.Anthropic(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=timeout,
                                    **self._sdk_http_client(timeout))
 
-    def requests_session(self):
+    def requests_session(self) -> requests.Session:
         """A `requests` session that reaches the server (schemathesis sends its cases with `requests`)."""
         return requests.Session()
 
-    def _sdk_http_client(self, timeout: float) -> dict:
-        """An SDK client's own httpx2 client over a real socket; over ours to reach an in-process app."""
-        import httpx2
-
-        transport = self.transport(httpx2)
-        return {} if transport is None else {"http_client": httpx2.Client(transport=transport, timeout=timeout)}
+    def _sdk_http_client(self, timeout: float, asynchronous: bool = False) -> dict:
+        """The SDKs' own httpx2 client over a real socket (no argument); over our transport to reach an
+        in-process app."""
+        transport = (self.async_transport if asynchronous else self.transport)(httpx2)
+        if transport is None:
+            return {}
+        client = httpx2.AsyncClient if asynchronous else httpx2.Client
+        return {"http_client": client(transport=transport, timeout=timeout)}
 
 
 def parse_serve_flags(model: str | None, *flags: str):
@@ -222,13 +221,13 @@ class AppServer(_Clients):
     def transport(self, lib=httpx):
         return _transports(lib)[0](self)
 
-    def requests_session(self):
+    def async_transport(self, lib=httpx):
+        return _transports(lib)[1](self)
+
+    def requests_session(self) -> requests.Session:
         session = super().requests_session()
         session.mount(self.base_url, _RequestsAdapter(self))
         return session
-
-    def async_transport(self, lib=httpx):
-        return _transports(lib)[1](self)
 
 
 async def _cancel_other_tasks() -> None:
@@ -361,18 +360,10 @@ class _Exchange:
             self.wake.set()
 
 
+@functools.cache
 def _transports(lib):
     """The (sync, async) transport classes to the app for httpx or httpx2 (the SDKs' fork of it, whose
     clients take only its own classes): the same code over either module's types."""
-    if lib not in _TRANSPORTS:
-        _TRANSPORTS[lib] = _make_transports(lib)
-    return _TRANSPORTS[lib]
-
-
-_TRANSPORTS: dict = {}
-
-
-def _make_transports(lib):
     def timed_out(request):
         return lib.ReadTimeout("timed out", request=request)
 
@@ -629,7 +620,7 @@ def openai_spec_path() -> tuple[Path | None, str]:
     path = Path(configured) if configured else DEFAULT_SPEC
     if path.is_file():
         return path, ""
-    where = f"{SPEC_ENV}={configured}" if configured else f"{DEFAULT_SPEC} ({SPEC_ENV} unset)"
+    where = f"{SPEC_ENV}={configured} is not a file" if configured else f"{SPEC_ENV} is unset and {DEFAULT_SPEC} absent"
     return None, (f"OpenAI's OpenAPI document is not here ({where}); the repository does not ship it: put "
                   f"openai-openapi.yml there or point {SPEC_ENV} at it")
 
@@ -655,7 +646,7 @@ def _openapi_to_jsonschema(node) -> None:
             node["anyOf"] = [inner, {"type": "null"}]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_document(path: Path) -> dict:
     import yaml
 
