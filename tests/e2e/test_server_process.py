@@ -5,6 +5,7 @@ missing model. Everything else about the server runs in process: tests/server/.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,10 +13,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers.server import API_KEY, served, start_server, stop_server
+from helpers.server import API_KEY, Server, served, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
@@ -60,21 +62,38 @@ def test_serve_with_a_missing_model_fails_before_announcing(tmp_path):
 
 
 # ---- shutdown (the first with the engine loop on a thread: the other placement) ---------------
+@contextlib.contextmanager
+def _streaming(srv: Server, max_tokens: int) -> Iterator[Iterator[str]]:
+    """A completion streaming from `srv`, its first event read: yields the iterator of the lines after it."""
+    body = {"prompt": [7, 8, 9], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", "/v1/completions",
+                                                                         json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        yield lines
+
+
+def _data(lines: Iterator[str]) -> list[str]:
+    """The rest of a stream's `data:` lines; asserts it ends with [DONE]."""
+    rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    return rest
+
+
+def _payload(line: str) -> dict:
+    return json.loads(line[len("data: "):])
+
+
 def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_llama, tmp_path):
     srv = start_server(tiny_llama[0], tmp_path / "server.log", "--engine-loop", "thread", "--shutdown-timeout", "20")
     try:
-        body = {"prompt": [7, 8, 9], "max_tokens": 300, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", "/v1/completions",
-                                                                             json=body) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
+        with _streaming(srv, 300) as lines:
             srv.proc.send_signal(signal.SIGTERM)
             time.sleep(0.5)
             with pytest.raises(httpx.TransportError):  # no longer accepting connections
                 httpx.get(f"{srv.base_url}/health", timeout=2)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+            rest = _data(lines)
+        assert _payload(rest[-2])["choices"][0]["finish_reason"] == "length"
         assert srv.proc.wait(30) == 0, srv.log()
     finally:
         stop_server(srv)
@@ -83,17 +102,12 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_llama, tmp_path):
 def test_sigterm_past_shutdown_timeout_ends_streams_with_an_error_event(tiny_llama, tmp_path):
     srv = start_server(tiny_llama[0], tmp_path / "server.log", "--shutdown-timeout", "1")
     try:
-        body = {"prompt": [7, 8, 9], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", "/v1/completions",
-                                                                             json=body) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
+        with _streaming(srv, 1000) as lines:
             start = time.monotonic()
             srv.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
+            rest = _data(lines)
             elapsed = time.monotonic() - start
-        assert rest[-1] == "data: [DONE]"
-        last = json.loads(rest[-2][len("data: "):])
+        last = _payload(rest[-2])
         assert last["error"]["code"] == "shutting_down", last
         assert elapsed < 8
         assert srv.proc.wait(30) == 0, srv.log()
@@ -109,21 +123,16 @@ def _children(pid: int) -> list[int]:
 def test_engine_process_death_fails_requests_and_exits_nonzero(tiny_llama, tmp_path):
     srv = start_server(tiny_llama[0], tmp_path / "server.log", "--stats-interval", "0")
     try:
-        body = {"prompt": [7, 8, 9], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", "/v1/completions",
-                                                                             json=body) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
+        with _streaming(srv, 1000) as lines:
             engines = [p for p in _children(srv.proc.pid)
                        if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
             assert len(engines) == 1, engines
             start = time.monotonic()
             for pid in engines:
                 os.kill(pid, signal.SIGKILL)
-            rest = [line for line in lines if line.startswith("data: ")]
+            rest = _data(lines)
             assert time.monotonic() - start < 5
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][len("data: "):])["error"]["type"] == "server_error"
+        assert _payload(rest[-2])["error"]["type"] == "server_error"
         assert srv.proc.wait(30) == 1, srv.log()
         assert "engine loop stopped" in srv.log()
     finally:
