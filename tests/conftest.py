@@ -12,16 +12,13 @@ Helpers live in tests/helpers/ (imported as `tests.helpers.X`; pyproject puts th
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.bench import base_url  # noqa: F401 (a fixture: a tiny-model `kvserve serve`)
-from tests.helpers.checkpoints import TINY_ARCHS, make_tiny_checkpoint  # noqa: F401
-from tests.helpers.engine import (ATTENTION_BACKENDS, check_engine_invariants, run_last_after_prefix,  # noqa: F401
-                                  run_to_completion, step_until_idle)
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.engine import ATTENTION_BACKENDS
 
 # NOTE: without CUDA, Triton kernels can only run through Triton's interpreter, which triton reads when it is
 # first imported (its own library functions are decorated then): set here, before any test imports it.
@@ -32,14 +29,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "engine", "server", "e2e")
 
-# NOTE: a bridge for modules that other branches rewrite: the server modules and tests/e2e/test_readme.py still
-# import `test_server`, `structured_schemas` and `tool_calling_helpers` as top-level modules (and names from
-# `conftest`, re-exported above). Delete these lines once they import from tests.helpers.
-sys.path.insert(0, str(TESTS / "server"))
-from tests.helpers import structured_schemas, tool_calling  # noqa: E402
-
-sys.modules.setdefault("structured_schemas", structured_schemas)
-sys.modules.setdefault("tool_calling_helpers", tool_calling)
+# Fixtures defined beside their helpers: the in-process and subprocess servers and OpenAI's schemas
+# (tests/helpers/server.py), and the tiny-model `kvserve serve` of the bench tests (tests/helpers/bench.py).
+pytest_plugins = ["tests.helpers.server", "tests.helpers.bench"]
 
 
 def pytest_addoption(parser):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from test_server import start_server, stop_server
+from tests.helpers.server import start_server, stop_server
 
 from kvserve.bench.soak import judge_stream, judge_whole
 from kvserve.bench.soak_report import _slope, memory_slopes, scan_log

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tiny_checkpoint
-from test_server import start_server, stop_server
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.server import start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"

@@ -1,7 +1,7 @@
 """Issue 9, item 4: property-based fuzzing.
 
 - Every HTTP endpoint, from kvserve's own OpenAPI document (`GET /openapi.json`), with schemathesis: valid
-  and invalid bodies alike. No 5xx; every error body in OpenAI's shape (Anthropic's under /v1/messages);
+  and invalid bodies alike, sent to the server's app in process. No 5xx; every error body in OpenAI's shape (Anthropic's under /v1/messages);
   afterwards the engine is healthy and a real generation succeeds.
 - SamplingParams and LLM.generate with hypothesis: any value either raises ValueError up front or
   generates; the engine stays usable.
@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
 import schemathesis
 from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_server import API_KEY, metric, served, wait_idle
+from tests.helpers.server import API_KEY, in_process, metric, wait_idle
 
 FUZZ_FLAGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--max-queue-len", "24", "--enable-debug-endpoints",
               "--stats-interval", "0", "--no-access-log", "--request-timeout", "30")
@@ -27,13 +26,14 @@ _COUNTS = {"cases": 0, "4xx": 0, "5xx": 0}
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tiny_llama, tmp_path_factory):
-    yield from served(tiny_llama[0], tmp_path_factory, *FUZZ_FLAGS)
+def fuzz_server(tiny_llama):
+    yield from in_process(tiny_llama[0], *FUZZ_FLAGS)
 
 
 @pytest.fixture(scope="module")
 def operations(fuzz_server):
-    schema = schemathesis.openapi.from_url(f"{fuzz_server.base_url}/openapi.json")
+    with fuzz_server.http(headers={}) as http:
+        schema = schemathesis.openapi.from_file(http.get("/openapi.json").text)
     return [result.ok() for result in schema.get_all_operations()]
 
 
@@ -55,6 +55,7 @@ def test_no_5xx_and_errors_in_the_clients_shape(fuzz_server, operations, mode, r
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/messages",
                                               "/v1/messages/count_tokens", "/tokenize", "/detokenize",
                                               "/debug/prefix-cache/explain"}
+    session = fuzz_server.requests_session()
     for op in operations:
         if mode == GenerationMode.NEGATIVE and op.method.upper() != "POST":
             continue  # nothing to break in a GET without parameters
@@ -62,7 +63,7 @@ def test_no_5xx_and_errors_in_the_clients_shape(fuzz_server, operations, mode, r
                   suppress_health_check=list(HealthCheck))
         @given(case=op.as_strategy(generation_mode=mode))
         def one(case):
-            response = case.call(base_url=fuzz_server.base_url, headers=headers, timeout=60)
+            response = case.call(base_url=fuzz_server.base_url, session=session, headers=headers, timeout=60)
             _COUNTS["cases"] += 1
             status = response.status_code
             if status >= 500:
@@ -76,8 +77,7 @@ def test_no_5xx_and_errors_in_the_clients_shape(fuzz_server, operations, mode, r
 
 
 def test_engine_healthy_after_fuzzing(fuzz_server, capsys):
-    with httpx.Client(base_url=fuzz_server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=60) as http:
+    with fuzz_server.http() as http:
         wait_idle(http, timeout=60)
         assert metric(http, "kvserve:kv_cache_request_blocks") == 0
         assert http.get("/health").status_code == 200

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -13,7 +12,7 @@ from kvserve.config import EngineArgs
 from kvserve.config.generation import BUILTIN_DEFAULTS, default_sampling
 from kvserve.server.anthropic_protocol import MessagesRequest
 from kvserve.server.errors import APIError
-from test_server import API_KEY, served
+from tests.helpers.server import API_KEY, in_process
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +58,13 @@ def test_offline_defaults_and_explicit_values_win(tiny_with_generation_config):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_with_generation_config, tmp_path_factory):
-    yield from served(tiny_with_generation_config, tmp_path_factory, "--stats-interval", "0",
-                      "--override-generation-config", '{"repetition_penalty": 1.2, "temperature": 0.0}')
+def server(tiny_with_generation_config):
+    yield from in_process(tiny_with_generation_config, "--stats-interval", "0",
+                          "--override-generation-config", '{"repetition_penalty": 1.2, "temperature": 0.0}')
 
 
 def test_server_applies_defaults_only_to_unset_fields(server):
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as http:
+    with server.http() as http:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                     "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 7  # max_new_tokens
@@ -93,7 +91,7 @@ def test_server_messages_without_temperature_are_greedy_under_an_override(server
     """--override-generation-config '{"temperature": 0.0}': a Messages request without temperature gives the
     explicit temperature-0 answer, every time (tokens and text)."""
     body = {"model": "m", "messages": [{"role": "user", "content": "Name three prime numbers."}], "max_tokens": 12}
-    with httpx.Client(base_url=server.base_url, headers={"x-api-key": API_KEY}, timeout=60) as http:
+    with server.http(headers={"x-api-key": API_KEY}) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
         body["model"] = model
         unset = [http.post("/v1/messages", json=body).json() for _ in range(3)]
@@ -105,12 +103,12 @@ def test_server_messages_without_temperature_are_greedy_under_an_override(server
 
 
 @pytest.mark.slow
-def test_quick_start_request_answers_well_with_default_flags(smollm2_path, tmp_path_factory):
+def test_quick_start_request_answers_well_with_default_flags(smollm2_path):
     """The README's request (no temperature, no max_tokens; the model named by the served default), 10 seeds:
     a short correct answer in at least 9."""
     good, answers = 0, []
-    for srv in served(smollm2_path, tmp_path_factory, "--stats-interval", "0"):
-        with httpx.Client(base_url=srv.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as h:
+    for srv in in_process(smollm2_path, "--stats-interval", "0"):
+        with srv.http(timeout=120) as h:
             for seed in range(10):
                 r = h.post("/v1/chat/completions", json={
                     "seed": seed,

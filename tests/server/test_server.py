@@ -1,6 +1,7 @@
-"""End-to-end tests of `kvserve serve`: the real server in a subprocess on a free port, driven with the
-official `openai` client (and raw HTTP where the test is about the wire), with bodies and stream chunks
-checked against the component schemas of OpenAI's OpenAPI description.
+"""The OpenAI-compatible server (`kvserve serve`'s app, in process with the engine loop on a thread), driven
+with the official `openai` client (and raw HTTP where the test is about the wire), with bodies and stream
+chunks checked against the component schemas of OpenAI's OpenAPI description. What needs a real process
+(signals, uvicorn's HTTP parsing): tests/e2e/test_server_process.py.
 
 The model is the tiny random Llama (real SmolLM2 tokenizer): its tokens are arbitrary, so the tests
 fix lengths with max_tokens / ignore_eos and compare streamed against whole outputs, never text.
@@ -8,195 +9,36 @@ fix lengths with max_tokens / ignore_eos and compare streamed against whole outp
 from __future__ import annotations
 
 import asyncio
-import copy
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
-import jsonschema
 import openai
 import pytest
-import referencing
-import referencing.jsonschema
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
+from tests.helpers.server import API_KEY, in_process, metric, wait_idle
 
-SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "specs" / "openai-openapi.yml"
-API_KEY = "sk-test-key"
 MAX_NUM_SEQS, MAX_QUEUE_LEN = 16, 16
 
 
-# ---- the server -------------------------------------------------------------------------------
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base_url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def start_server(model: str | None, log_path: Path, *flags: str, timeout: float = 60.0) -> Server:
-    """`kvserve serve --port 0 ...` in a subprocess; returns once /health answers 200. model None: no --model
-    (the built-in model, under its own name)."""
-    cmd = [sys.executable, "-m", "kvserve.server.cli", *(["--model", model] if model else []), "--port", "0",
-           "--num-threads", "1", "--kv-cache-memory", "32MiB", "--no-access-log", *flags]
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + timeout
-    base_url = None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        text = log_path.read_text(errors="replace")
-        if base_url is None and "serving on " in text:
-            base_url = text.split("serving on ", 1)[1].split()[0]
-        if base_url is not None:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                    return Server(proc, base_url, log_path)
-            except httpx.TransportError:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server not ready after {timeout}s:\n{log_path.read_text()}")
-
-
-def stop_server(server: Server) -> int:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-    return server.proc.wait()
-
-
-def served(model: str, tmp_path_factory, *flags: str):
-    """Module-fixture body: a server with API_KEY for the module's tests; it must then exit 0 on SIGTERM."""
-    srv = start_server(model, tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY, *flags)
-    yield srv
-    assert stop_server(srv) == 0, srv.log()
-
-
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    yield from served(tiny_llama[0], tmp_path_factory, "--max-num-seqs", str(MAX_NUM_SEQS),
-                      "--max-queue-len", str(MAX_QUEUE_LEN), "--max-body-size", "64KiB", "--stats-interval", "1")
-
-
-def http_client(server: Server, timeout: float = 60) -> httpx.Client:
-    """An httpx client of `server` with the test API key (use as a context manager)."""
-    return httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=timeout)
-
-
-def openai_client(server: Server, timeout: float = 60) -> openai.OpenAI:
-    """The `openai` client of `server` with the test API key, no retries."""
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=timeout)
+def server(tiny_llama):
+    yield from in_process(tiny_llama[0], "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue-len", str(MAX_QUEUE_LEN),
+                          "--max-body-size", "64KiB", "--stats-interval", "1")
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with http_client(server) as client:
+    with server.http() as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai_client(server)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
 def model(client):
     return client.models.list().data[0].id
-
-
-def metric(http: httpx.Client, name: str, **labels) -> float:
-    """The value of one sample of /metrics (0 if absent)."""
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
-
-
-_IDLE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_request_blocks")
-
-
-def wait_idle(http: httpx.Client, timeout: float = 10.0) -> None:
-    """No request running or waiting and no KV block held by one. Blocks pinned by prompt caching
-    (cache_control) stay held for their TTL by design, so the pool's usage need not return to 0: a fuzzed
-    Anthropic body with a cache_control block long enough to pin kept kv_cache_usage_perc above 0 for minutes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(metric(http, f"kvserve:{name}") == 0 for name in _IDLE_GAUGES):
-            return
-        time.sleep(0.05)
-    gauges = {name: metric(http, f"kvserve:{name}") for name in (*_IDLE_GAUGES, "kv_cache_usage_perc",
-                                                                 "prefix_cache_pinned_blocks")}
-    raise AssertionError(f"server not idle after {timeout}s: {gauges}")
-
-
-# ---- OpenAI's schemas -------------------------------------------------------------------------
-def _openapi_to_jsonschema(node) -> None:
-    """OpenAPI 3.0's `nullable: true` (still used in places of this 3.1 document) -> JSON Schema."""
-    if isinstance(node, list):
-        for item in node:
-            _openapi_to_jsonschema(item)
-        return
-    if not isinstance(node, dict):
-        return
-    for value in node.values():
-        _openapi_to_jsonschema(value)
-    if node.pop("nullable", False):
-        if isinstance(node.get("type"), str):
-            node["type"] = [node["type"], "null"]
-            if "enum" in node:
-                node["enum"] = [*node["enum"], None]
-        else:
-            inner = dict(node)
-            node.clear()
-            node["anyOf"] = [inner, {"type": "null"}]
-
-
-@pytest.fixture(scope="session")
-def check_schema():
-    """check_schema(component_name, instance) raises jsonschema.ValidationError on a mismatch."""
-    spec = yaml.load(SPEC.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    _openapi_to_jsonschema(spec)
-    schemas = spec["components"]["schemas"]
-    # NOTE: the spec uses one schema for completion bodies and stream chunks, but a chunk of a choice that
-    # is still running carries finish_reason null (as OpenAI's API sends it); allow that for chunks only.
-    chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
-    chunk["properties"]["choices"]["items"]["properties"]["finish_reason"] = {
-        "anyOf": [chunk["properties"]["choices"]["items"]["properties"]["finish_reason"], {"type": "null"}]}
-    schemas["CreateCompletionStreamChunk"] = chunk
-    resource = referencing.Resource.from_contents(spec, default_specification=referencing.jsonschema.DRAFT202012)
-    registry = referencing.Registry().with_resource("openai.yml", resource)
-    validators = {}
-
-    def check(name: str, instance) -> None:
-        if name not in validators:
-            validators[name] = jsonschema.Draft202012Validator(
-                {"$ref": f"openai.yml#/components/schemas/{name}"}, registry=registry)
-        validators[name].validate(instance)
-
-    return check
-
-
-def sse_events(response: httpx.Response) -> list:
-    """The JSON payloads of an SSE body; asserts it ends with `data: [DONE]`."""
-    payloads = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
-    assert payloads and payloads[-1] == "[DONE]", payloads[-3:]
-    return [json.loads(p) for p in payloads[:-1]]
 
 
 # ---- endpoints --------------------------------------------------------------------------------
@@ -205,9 +47,9 @@ def test_models_health_version_metrics(server, http, client, check_schema):
     check_schema("ListModelsResponse", body)
     assert [m.id for m in client.models.list().data] == [body["data"][0]["id"]]
     assert body["data"][0]["max_model_len"] == 1024
-    assert httpx.get(f"{server.base_url}/health").status_code == 200  # no key needed
-    assert httpx.get(f"{server.base_url}/version").json()["version"]
-    text = httpx.get(f"{server.base_url}/metrics").text
+    assert server.request("GET", "/health").status_code == 200  # no key needed
+    assert server.request("GET", "/version").json()["version"]
+    text = server.request("GET", "/metrics").text
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds", "num_requests_running", "num_requests_waiting",
                  "kv_cache_usage_perc", "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total"):
@@ -332,8 +174,7 @@ def test_32_concurrent_streams(server, http, model):
         return text, usage, reason
 
     async def main():
-        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0,
-                                      timeout=60) as c:
+        async with server.async_openai() as c:
             return await asyncio.gather(*(one(c, i) for i in range(32)))
 
     wait_idle(http)  # 32 = max_num_seqs + max_queue_len: nothing else may be in flight
@@ -347,7 +188,7 @@ def test_disconnect_mid_stream_frees_kv_blocks(server, http, model):
     aborted_before = metric(http, "kvserve:request_success_total", finished_reason="abort")
     generated_before = metric(http, "kvserve:generation_tokens_total")
     body = {"model": model, "prompt": list(range(500, 700)), "max_tokens": 800, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.base_url, headers=http.headers, timeout=30) as c:
+    with server.http(headers=http.headers, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
@@ -364,9 +205,9 @@ def test_disconnect_mid_stream_frees_kv_blocks(server, http, model):
     assert metric(http, "kvserve:generation_tokens_total") - generated_before < 800
 
     # a non-streaming client that gives up is noticed too (the handler watches for http.disconnect)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/v1/completions", headers=http.headers, timeout=httpx.Timeout(30, read=0.5),
-                   json={**body, "stream": False})
+    with pytest.raises(httpx.ReadTimeout), server.http(headers=http.headers,
+                                                       timeout=httpx.Timeout(30, read=0.5)) as c:
+        c.post("/v1/completions", json={**body, "stream": False})
     wait_idle(http, timeout=5)
     assert metric(http, "kvserve:request_success_total", finished_reason="abort") == aborted_before + 2
 
@@ -375,8 +216,7 @@ def test_burst_over_capacity_gets_only_200_and_429(server, http, model, check_sc
     body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 64, "ignore_eos": True}
 
     async def main():
-        async with httpx.AsyncClient(base_url=server.base_url, headers=http.headers, timeout=60,
-                                     limits=httpx.Limits(max_connections=100)) as c:
+        async with server.async_http(headers=http.headers, timeout=60) as c:
             return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(64)))
 
     responses = asyncio.run(main())
@@ -422,28 +262,13 @@ def test_bad_input_gets_openai_error_and_server_still_serves(http, model, check_
     assert http.post("/v1/completions", json={"model": model, "prompt": "ok", "max_tokens": 1}).status_code == 200
 
 
-def test_malformed_chunked_body_is_a_400_not_a_traceback(server, http, model):
-    """A chunked body that is not chunked encoding: the HTTP parser answers 400 and closes mid-body, and
-    the body reader takes that as an incomplete body (before: an unhandled ClientDisconnect, logged as an
-    exception in the ASGI application)."""
-    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
-    seen = len(server.log())
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
-                     + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
-        assert sock.recv(64).startswith(b"HTTP/1.1 400 ")
-    assert http.post("/v1/completions", json={"model": model, "prompt": "ok", "max_tokens": 1}).status_code == 200
-    new_log = server.log()[seen:]
-    assert "Traceback" not in new_log and "Exception in ASGI application" not in new_log, new_log
-
-
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
 def test_api_key_required(server, check_schema, headers):
-    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers)
+    r = server.request("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers)
     assert r.status_code == 401
     check_schema("ErrorResponse", r.json())
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0).models.list()
+        server.openai(api_key="wrong").models.list()
 
 
 def test_tokenize_detokenize(http, model):
@@ -452,27 +277,6 @@ def test_tokenize_detokenize(http, model):
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "hello world"
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > r["count"]
-
-
-# ---- shutdown (its own server, with the engine loop on a thread: the other placement) ----------
-def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_llama, tmp_path):
-    srv = start_server(tiny_llama[0], tmp_path / "server.log", "--engine-loop", "thread", "--shutdown-timeout", "20")
-    try:
-        body = {"prompt": [7, 8, 9], "max_tokens": 300, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", "/v1/completions",
-                                                                             json=body) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
-            srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            with pytest.raises(httpx.TransportError):  # no longer accepting connections
-                httpx.get(f"{srv.base_url}/health", timeout=2)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
-        assert srv.proc.wait(30) == 0, srv.log()
-    finally:
-        stop_server(srv)
 
 
 def test_speculative_decoding_streams_the_same_text_and_is_counted(server, http, client, model):
@@ -485,7 +289,7 @@ def test_speculative_decoding_streams_the_same_text_and_is_counted(server, http,
     whole = client.completions.create(**params)
     chunks = list(client.completions.create(**params, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-    text = httpx.get(f"{server.base_url}/metrics").text
+    text = server.request("GET", "/metrics").text
     drafted = re.search(r'^kvserve:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$', text, re.M)
     accepted = re.search(r'^kvserve:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$', text, re.M)
     assert drafted and accepted and float(drafted.group(1)) > 0

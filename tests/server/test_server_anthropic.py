@@ -1,4 +1,5 @@
-"""The Anthropic Messages API of `kvserve serve` (POST /v1/messages, /v1/messages/count_tokens), driven with
+"""The Anthropic Messages API of `kvserve serve` (POST /v1/messages, /v1/messages/count_tokens; the app in
+process), driven with
 the official `anthropic` client and, where the test is about the wire, raw HTTP.
 
 The model is the tiny random Llama (real SmolLM2 tokenizer, greedy here): its text is arbitrary, so the
@@ -10,9 +11,8 @@ from __future__ import annotations
 import json
 
 import anthropic
-import httpx
 import pytest
-from test_server import API_KEY, served
+from tests.helpers.server import API_KEY, in_process
 
 SYSTEM = "You are a terse assistant."
 # NOTE: this client version has no `temperature` argument any more; the API (and this server) still take it.
@@ -21,18 +21,18 @@ USER = [{"role": "user", "content": "Name three prime numbers."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    yield from served(tiny_llama[0], tmp_path_factory, "--stats-interval", "0")
+def server(tiny_llama):
+    yield from in_process(tiny_llama[0], "--stats-interval", "0")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+    return server.anthropic()
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers={"x-api-key": API_KEY}, timeout=60) as c:
+    with server.http(headers={"x-api-key": API_KEY}) as c:
         yield c
 
 
@@ -152,16 +152,15 @@ def test_errors_through_the_client_and_api_keys(server, client, model):
         client.messages.create(model=model, messages=[{"role": "system", "content": "hi"}], max_tokens=4)
     assert e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.AuthenticationError):
-        anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0).messages.create(
-            model=model, messages=USER, max_tokens=1)
-    r = httpx.post(f"{server.base_url}/v1/messages", json={"model": model, "messages": USER, "max_tokens": 1})
+        server.anthropic(api_key="wrong").messages.create(model=model, messages=USER, max_tokens=1)
+    r = server.request("POST", "/v1/messages", json={"model": model, "messages": USER, "max_tokens": 1})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     # either header works on every endpoint; OpenAI routes keep OpenAI's error shape
     for headers in ({"x-api-key": API_KEY}, {"Authorization": f"Bearer {API_KEY}"}):
-        ok = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers)
+        ok = server.request("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers)
         assert ok.status_code == 200, ok.text
-    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
-                   headers={"x-api-key": "wrong"})
+    r = server.request("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                       headers={"x-api-key": "wrong"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 

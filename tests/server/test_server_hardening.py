@@ -1,23 +1,20 @@
 """Issue 9: no request can take the server down.
 
-Each test sends exactly what a hostile probe sent (or what a limit bounds) to the real server, checks the
-precise 4xx, and then checks that an ordinary request still works: the engine is alive and unharmed.
+Each test sends exactly what a hostile probe sent (or what a limit bounds) to the server (its app in
+process, the engine loop on a thread), checks the precise 4xx, and then checks that an ordinary request
+still works: the engine is alive and unharmed. Shutdown on SIGTERM, engine death and the CLI's own
+failures need a real process: tests/e2e/test_server_process.py.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-
-from test_server import API_KEY, metric, served, sse_events, start_server, stop_server, wait_idle
+from tests.helpers.server import API_KEY, AppServer, in_process, metric, sse_events, wait_idle
 
 LIMIT_FLAGS = ("--max-n", "4", "--max-queue-len", "8", "--max-num-seqs", "8", "--max-stop-strings", "2",
                "--max-stop-string-length", "8", "--max-messages", "3", "--max-logit-bias", "2",
@@ -25,14 +22,13 @@ LIMIT_FLAGS = ("--max-n", "4", "--max-queue-len", "8", "--max-num-seqs", "8", "-
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    yield from served(tiny_llama[0], tmp_path_factory, *LIMIT_FLAGS)
+def server(tiny_llama):
+    yield from in_process(tiny_llama[0], *LIMIT_FLAGS)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=60) as client:
+    with server.http() as client:
         yield client
 
 
@@ -125,15 +121,15 @@ def test_client_chat_template_refused_unless_trusted(http):
     still_serves(http)
 
 
-def test_trusted_template_renders_off_the_event_loop(tiny_llama, tmp_path):
-    srv = start_server(tiny_llama[0], tmp_path / "server.log", "--trust-request-chat-template")
+def test_trusted_template_renders_off_the_event_loop(tiny_llama):
+    srv = AppServer(tiny_llama[0], "--trust-request-chat-template").start()
     try:
         template = ("{% for i in range(1500) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
                     "{{ messages[0]['content'] }}")
         done = {}
 
         def render() -> None:
-            done["r"] = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=120, json={
+            done["r"] = srv.request("POST", "/v1/chat/completions", timeout=120, json={
                 "messages": [{"role": "user", "content": "hi"}], "chat_template": template, "max_tokens": 2})
 
         worker = threading.Thread(target=render)
@@ -142,14 +138,14 @@ def test_trusted_template_renders_off_the_event_loop(tiny_llama, tmp_path):
         slowest = 0.0
         while worker.is_alive():
             start = time.monotonic()
-            assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 200
+            assert srv.request("GET", "/health", timeout=10).status_code == 200
             slowest = max(slowest, time.monotonic() - start)
             time.sleep(0.05)
         worker.join()
         assert done["r"].status_code == 200, done["r"].text
         assert slowest < 2.0, f"/health took {slowest:.1f} s while a template rendered"
     finally:
-        assert stop_server(srv) == 0
+        srv.stop()
 
 
 def test_huge_text_prompt_is_refused_fast(http):
@@ -189,14 +185,6 @@ def test_anthropic_ranges_and_thinking(http):
     still_serves(http)
 
 
-def test_serve_with_a_missing_model_fails_before_announcing(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "kvserve.cli.main", "serve", "--model", str(tmp_path / "nope"),
-                           "--port", "0"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "serving on" not in proc.stdout + proc.stderr
-    assert "model not found" in proc.stderr
-
-
 # ---- limits ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body,param,flag", [
     ("/v1/completions", {"prompt": "hi", "n": 5}, "n", "--max-n"),
@@ -221,10 +209,10 @@ def test_anthropic_limits_answer_in_anthropic_shape(http):
     assert r.status_code == 400 and r.json()["type"] == "error" and "--max-messages" in r.json()["error"]["message"]
 
 
-def test_request_timeout_aborts_and_frees_blocks(tiny_llama, tmp_path):
-    srv = start_server(tiny_llama[0], tmp_path / "server.log", "--request-timeout", "0.5", "--stats-interval", "0")
+def test_request_timeout_aborts_and_frees_blocks(tiny_llama):
+    srv = AppServer(tiny_llama[0], "--request-timeout", "0.5", "--stats-interval", "0").start()
     try:
-        with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+        with srv.http(headers={}, timeout=60) as http:
             long = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
             err = error_of(http.post("/v1/completions", json=long), 408)
             assert "--request-timeout" in err["message"] and err["code"] == "request_timeout"
@@ -235,42 +223,39 @@ def test_request_timeout_aborts_and_frees_blocks(tiny_llama, tmp_path):
             r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 200
     finally:
-        assert stop_server(srv) == 0
+        srv.stop()
 
 
 # ---- auth, debug endpoints, logging -----------------------------------------------------------
-def test_several_api_keys_env_key_and_protected_metrics(tiny_llama, tmp_path):
+def test_several_api_keys_env_key_and_protected_metrics(tiny_llama):
     env_key = "sk-from-env"
-    os.environ["KVSERVE_API_KEY"] = env_key
+    srv = AppServer(tiny_llama[0], "--require-api-key-for-metrics", env={"KVSERVE_API_KEY": env_key}).start()
     try:
-        srv = start_server(tiny_llama[0], tmp_path / "a.log", "--require-api-key-for-metrics")
+        assert srv.request("GET", "/v1/models", headers={"x-api-key": env_key}).status_code == 200
+        assert srv.request("GET", "/v1/models").status_code == 401
+        assert srv.request("GET", "/metrics").status_code == 401
+        assert srv.request("GET", "/metrics", headers={"x-api-key": env_key}).status_code == 200
+        assert srv.request("GET", "/health").status_code == 200
     finally:
-        del os.environ["KVSERVE_API_KEY"]
-    try:
-        assert httpx.get(f"{srv.base_url}/v1/models", headers={"x-api-key": env_key}).status_code == 200
-        assert httpx.get(f"{srv.base_url}/v1/models").status_code == 401
-        assert httpx.get(f"{srv.base_url}/metrics").status_code == 401
-        assert httpx.get(f"{srv.base_url}/metrics", headers={"x-api-key": env_key}).status_code == 200
-        assert httpx.get(f"{srv.base_url}/health").status_code == 200
-    finally:
-        assert stop_server(srv) == 0
-    srv = start_server(tiny_llama[0], tmp_path / "b.log", "--api-key", "k1", "k2", "--log-requests")
+        srv.stop()
+    a_log = srv.log()
+    srv = AppServer(tiny_llama[0], "--api-key", "k1", "k2", "--log-requests").start()
     try:
         for key in ("k1", "k2"):
-            r = httpx.post(f"{srv.base_url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                           json={"prompt": "a secret prompt", "max_tokens": 2})
+            r = srv.request("POST", "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                            json={"prompt": "a secret prompt", "max_tokens": 2})
             assert r.status_code == 200
-        assert httpx.get(f"{srv.base_url}/v1/models", headers={"Authorization": "Bearer k3"}).status_code == 401
-        assert httpx.get(f"{srv.base_url}/metrics").status_code == 200  # open unless asked otherwise
-        assert httpx.get(f"{srv.base_url}/debug/prefix-cache", headers={"x-api-key": "k1"}).status_code == 404
+        assert srv.request("GET", "/v1/models", headers={"Authorization": "Bearer k3"}).status_code == 401
+        assert srv.request("GET", "/metrics").status_code == 200  # open unless asked otherwise
+        assert srv.request("GET", "/debug/prefix-cache", headers={"x-api-key": "k1"}).status_code == 404
         time.sleep(0.2)
         assert "a secret prompt" in srv.log()  # --log-requests
     finally:
-        assert stop_server(srv) == 0
-    assert "a secret prompt" not in (tmp_path / "a.log").read_text()
+        srv.stop()
+    assert "a secret prompt" not in a_log
 
 
-# ---- disconnects, shutdown, engine death ------------------------------------------------------
+# ---- disconnects ------------------------------------------------------------------------------
 def test_non_streaming_disconnect_logs_no_traceback(server, http):
     before = server.log()
     body = {"prompt": list(range(500, 600)), "max_tokens": 150, "ignore_eos": True}
@@ -282,53 +267,3 @@ def test_non_streaming_disconnect_logs_no_traceback(server, http):
     assert "Traceback" not in new and "InvalidStateError" not in new and " ERROR " not in new, new
     assert metric(http, "kvserve:kv_cache_request_blocks") == 0
     still_serves(http)
-
-
-def test_sigterm_past_shutdown_timeout_ends_streams_with_an_error_event(tiny_llama, tmp_path):
-    srv = start_server(tiny_llama[0], tmp_path / "server.log", "--shutdown-timeout", "1")
-    try:
-        body = {"prompt": [7, 8, 9], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", "/v1/completions",
-                                                                             json=body) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
-            start = time.monotonic()
-            srv.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
-            elapsed = time.monotonic() - start
-        assert rest[-1] == "data: [DONE]"
-        last = json.loads(rest[-2][len("data: "):])
-        assert last["error"]["code"] == "shutting_down", last
-        assert elapsed < 8
-        assert srv.proc.wait(30) == 0, srv.log()
-    finally:
-        stop_server(srv)
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def test_engine_process_death_fails_requests_and_exits_nonzero(tiny_llama, tmp_path):
-    srv = start_server(tiny_llama[0], tmp_path / "server.log", "--stats-interval", "0")
-    try:
-        body = {"prompt": [7, 8, 9], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", "/v1/completions",
-                                                                             json=body) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
-            engines = [p for p in _children(srv.proc.pid)
-                       if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
-            assert len(engines) == 1, engines
-            start = time.monotonic()
-            for pid in engines:
-                os.kill(pid, signal.SIGKILL)
-            rest = [line for line in lines if line.startswith("data: ")]
-            assert time.monotonic() - start < 5
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][len("data: "):])["error"]["type"] == "server_error"
-        assert srv.proc.wait(30) == 1, srv.log()
-        assert "engine loop stopped" in srv.log()
-    finally:
-        stop_server(srv)

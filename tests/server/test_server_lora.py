@@ -1,17 +1,16 @@
-"""Multi-LoRA through the HTTP server: `model` names an adapter (its greedy text is transformers+peft's),
-/v1/models lists adapters with the base as parent, unknown adapters are 404, adapters load and unload at run
-time (paths confined to --allowed-lora-dirs; bad adapters a 400 naming the problem, the others still served),
-and the prefix-cache explain endpoint keeps adapters apart."""
+"""Multi-LoRA through the HTTP server (its app in process): `model` names an adapter (its greedy text is
+transformers+peft's), /v1/models lists adapters with the base as parent, unknown adapters are 404, adapters
+load and unload at run time (paths confined to --allowed-lora-dirs; bad adapters a 400 naming the problem,
+the others still served), and the prefix-cache explain endpoint keeps adapters apart."""
 from __future__ import annotations
 
 import copy
 
-import httpx
 import pytest
 import torch
 
-from conftest import make_tiny_checkpoint
-from test_server import API_KEY, served
+from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.server import in_process
 
 peft = pytest.importorskip("peft")
 
@@ -47,17 +46,16 @@ def setup(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(setup, tmp_path_factory):
+def server(setup):
     root, _, allowed, _, _ = setup
-    yield from served(str(root / "base"), tmp_path_factory, "--enable-lora", "--max-loras", "2",
-                      "--max-lora-rank", "8", "--lora-modules", f"sql={allowed / 'sql'}",
-                      "--allowed-lora-dirs", str(allowed), "--enable-debug-endpoints", "--stats-interval", "0")
+    yield from in_process(str(root / "base"), "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                          "--lora-modules", f"sql={allowed / 'sql'}", "--allowed-lora-dirs", str(allowed),
+                          "--enable-debug-endpoints", "--stats-interval", "0")
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=60) as client:
+    with server.http() as client:
         yield client
 
 

@@ -1,5 +1,5 @@
-"""Prefix caching through the server: Anthropic cache_control pins and their usage fields (exact), the
-debug endpoints (explain, totals), the prefix-cache metrics, and OpenAI's cached_tokens.
+"""Prefix caching through the server (its app in process): Anthropic cache_control pins and their usage
+fields (exact), the debug endpoints (explain, totals), the prefix-cache metrics, and OpenAI's cached_tokens.
 
 Expected token counts are computed here from /tokenize (the same chat template), independently of the
 server's own breakpoint arithmetic. Prompts start with text or ids used nowhere else, so no other test
@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import uuid
 
-import anthropic
-import openai
 import pytest
-from test_server import API_KEY, http_client, metric, served
+from tests.helpers.server import in_process, metric
 
 BLOCK = 16  # the server's --block-size (the default)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -20,19 +18,19 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    yield from served(tiny_llama[0], tmp_path_factory, "--stats-interval", "0", "--enable-debug-endpoints")
+def server(tiny_llama):
+    yield from in_process(tiny_llama[0], "--stats-interval", "0", "--enable-debug-endpoints")
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with http_client(server) as c:
+    with server.http() as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def claude(server):
-    return anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+    return server.anthropic()
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +170,7 @@ def test_totals_and_metrics_count_prefix_tokens(http, model):
 
 
 def test_openai_cached_tokens_on_a_repeated_long_chat(server, http, model):
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    client = server.openai()
     # NOTE: a system prompt of its own: without one the template inserts a default that other tests share
     messages = [{"role": "system", "content": f"Session {uuid.uuid4().hex[:8]}."},
                 {"role": "user", "content": " ".join(WORDS * 3)}]

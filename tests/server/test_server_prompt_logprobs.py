@@ -1,19 +1,12 @@
-"""Prompt logprobs through the server: `echo` with `logprobs` on /v1/completions (OpenAI's legacy shape,
-whole and streamed) and vLLM's `prompt_logprobs` field on completions and chat, equal to the offline
-engine's, in bodies that validate against OpenAI's OpenAPI description."""
+"""Prompt logprobs through the server (its app in process): `echo` with `logprobs` on /v1/completions
+(OpenAI's legacy shape, whole and streamed) and vLLM's `prompt_logprobs` field on completions and chat,
+equal to the offline engine's, in bodies that validate against OpenAI's OpenAPI description."""
 from __future__ import annotations
 
-import copy
 import re
 
-import jsonschema
-import openai
 import pytest
-import referencing
-import referencing.jsonschema
-import yaml
-from test_server import (API_KEY, SPEC, _openapi_to_jsonschema, check_schema, http_client, served,  # noqa: F401
-                         sse_events)
+from tests.helpers.server import OpenAISchemas, in_process, sse_events
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
@@ -24,13 +17,13 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    yield from served(tiny_llama[0], tmp_path_factory, "--stats-interval", "0")
+def server(tiny_llama):
+    yield from in_process(tiny_llama[0], "--stats-interval", "0")
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with http_client(server) as c:
+    with server.http() as c:
         yield c
 
 
@@ -54,31 +47,27 @@ def _offline_run(engine: Engine, prompt, k: int, max_tokens: int):
     raise AssertionError("no output")
 
 
+def _first_logprob_may_be_null(schemas: dict) -> None:
+    """In a completion's logprobs the first of token_logprobs and of top_logprobs may be null: OpenAI's API
+    (and vLLM) send null for the echoed prompt's first token, which nothing precedes, where the OpenAPI
+    description says a number and an object. Everything else is as specified (streamed chunks included)."""
+    for name in ("CreateCompletionResponse", "CreateCompletionStreamChunk"):
+        choice = schemas[name]["properties"]["choices"]["items"]
+        logprobs = next(s for s in choice["properties"]["logprobs"]["anyOf"] if s.get("type") == "object")
+        for field_name in ("token_logprobs", "top_logprobs"):
+            field = logprobs["properties"][field_name]
+            field["prefixItems"] = [{"anyOf": [field["items"], {"type": "null"}]}]
+
+
 @pytest.fixture(scope="module")
-def check_echo_schema():
-    """check_schema, except that in a completion's logprobs the first of token_logprobs and of top_logprobs
-    may be null: OpenAI's API (and vLLM) send null for the echoed prompt's first token, which nothing
-    precedes, where the OpenAPI description says a number and an object. Everything else is as specified."""
-    spec = yaml.load(SPEC.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    _openapi_to_jsonschema(spec)
-    schemas = spec["components"]["schemas"]
-    choice = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]
-    logprobs = next(s for s in choice["properties"]["logprobs"]["anyOf"] if s.get("type") == "object")
-    for name in ("token_logprobs", "top_logprobs"):
-        field = logprobs["properties"][name]
-        field["prefixItems"] = [{"anyOf": [field["items"], {"type": "null"}]}]
-    chunk = copy.deepcopy(schemas["CreateCompletionResponse"])  # a running choice's finish_reason is null
-    chunk["properties"]["choices"]["items"]["properties"]["finish_reason"] = {
-        "anyOf": [chunk["properties"]["choices"]["items"]["properties"]["finish_reason"], {"type": "null"}]}
-    schemas["CreateCompletionStreamChunk"] = chunk
-    resource = referencing.Resource.from_contents(spec, default_specification=referencing.jsonschema.DRAFT202012)
-    registry = referencing.Registry().with_resource("openai.yml", resource)
+def echo_schemas():
+    return OpenAISchemas(patch=_first_logprob_may_be_null)
 
-    def check(name: str, instance) -> None:
-        jsonschema.Draft202012Validator({"$ref": f"openai.yml#/components/schemas/{name}"},
-                                        registry=registry).validate(instance)
 
-    return check
+@pytest.fixture
+def check_echo_schema(echo_schemas, request):
+    """check_schema, except that the first of a completion's token_logprobs and top_logprobs may be null."""
+    return echo_schemas.checker(request.node)
 
 
 def _concat(chunks: list[dict], index: int) -> tuple[str, dict]:
@@ -101,8 +90,7 @@ def test_echo_with_logprobs_whole_and_streamed(http, model, offline, check_echo_
             "logprobs": 2, "ignore_eos": True}
     whole = http.post("/v1/completions", json=body).json()
     check_echo_schema("CreateCompletionResponse", whole)
-    with pytest.raises(jsonschema.ValidationError):  # only because of that first null
-        check_schema("CreateCompletionResponse", whole)
+    check_schema.rejects("CreateCompletionResponse", whole)  # only because of that first null
     choice = whole["choices"][0]
     text, lp = choice["text"], choice["logprobs"]
     assert text == PROMPT + ref.outputs[0].text
@@ -136,7 +124,7 @@ def test_echo_with_logprobs_whole_and_streamed(http, model, offline, check_echo_
 
 
 def test_echo_with_logprobs_through_the_openai_client(server, model):
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    client = server.openai()
     out = client.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=3, echo=True, logprobs=0,
                                     temperature=0, extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs

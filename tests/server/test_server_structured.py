@@ -1,6 +1,7 @@
-"""Structured outputs through the OpenAI server with the `openai` client: response_format json_schema /
-json_object and vLLM's structured_outputs (choice, regex, grammar) on chat and completions, with the built-in
-SmolLM2 (its answers have to be JSON that validates, whatever it would have said) and the tiny model (errors)."""
+"""Structured outputs through the OpenAI server (its app in process) with the `openai` client:
+response_format json_schema / json_object and vLLM's structured_outputs (choice, regex, grammar) on chat and
+completions, with the built-in SmolLM2 (its answers have to be JSON that validates, whatever it would have
+said) and the tiny model (errors)."""
 from __future__ import annotations
 
 import json
@@ -8,24 +9,22 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import openai
 import pytest
 
-from structured_schemas import SCHEMAS
-from test_server import API_KEY, check_schema, served  # noqa: F401 (a fixture)
+from tests.helpers.server import in_process
+from tests.helpers.structured_schemas import SCHEMAS
 
 pytest.importorskip("xgrammar")
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_path, tmp_path_factory):
-    yield from served(smollm2_path, tmp_path_factory, "--stats-interval", "0", "--max-num-seqs", "32",
-                      "--kv-cache-memory", "256MiB")
+def smol(smollm2_path):
+    yield from in_process(smollm2_path, "--stats-interval", "0", "--max-num-seqs", "32", "--kv-cache-memory", "256MiB")
 
 
 @pytest.fixture(scope="module")
 def smol_client(smol):
-    client = openai.OpenAI(base_url=f"{smol.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    client = smol.openai(timeout=300)
     client.model = client.models.list().data[0].id
     return client
 
@@ -95,8 +94,8 @@ def test_json_object_choice_regex_grammar_on_chat_and_completions(smol_client):
 
 # ---- errors, on the tiny model ----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny(tiny_llama, tmp_path_factory):
-    yield from served(tiny_llama[0], tmp_path_factory, "--stats-interval", "0")
+def tiny(tiny_llama):
+    yield from in_process(tiny_llama[0], "--stats-interval", "0")
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -113,10 +112,7 @@ def tiny(tiny_llama, tmp_path_factory):
      "not both"),
 ])
 def test_invalid_specs_get_400_naming_the_problem(tiny, check_schema, body, param, message):
-    import httpx
-
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=tiny.base_url, headers=headers, timeout=60) as http:
+    with tiny.http() as http:
         for path, base in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                            ("/v1/completions", {"prompt": "hi"})]:
             r = http.post(path, json={**base, **body, "max_tokens": 5})

@@ -1,4 +1,4 @@
-"""Tool calling through the real server. With the tiny random model, named and "required" calls are
+"""Tool calling through the server (its app in process). With the tiny random model, named and "required" calls are
 constrained, so their arguments validate against the parameters schema whatever the model, greedy and
 sampled, streamed and whole, through the `openai` client. With the built-in SmolLM2 and a weather tool,
 what a 135M model does with tools is reported, not judged."""
@@ -9,19 +9,19 @@ import json
 import jsonschema
 import pytest
 
-from test_server import API_KEY, check_schema, openai_client, served  # noqa: F401  (check_schema is a fixture)
-from tool_calling_helpers import WEATHER_TOOL, accumulate, tool
+from tests.helpers.server import in_process
+from tests.helpers.tool_calling import WEATHER_TOOL, accumulate, tool
 
 
-# ---- the real server, tiny random model ----------------------------------------------------------
+# ---- the server, tiny random model ---------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    yield from served(tiny_llama[0], tmp_path_factory, "--max-num-seqs", "8", "--stats-interval", "0")
+def server(tiny_llama):
+    yield from in_process(tiny_llama[0], "--max-num-seqs", "8", "--stats-interval", "0")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai_client(server, timeout=120)
+    return server.openai(timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +135,8 @@ def test_a_conversation_with_earlier_calls_and_results_renders(client, model):
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
 ])
 def test_bad_tool_requests_get_400(server, check_schema, body, needle):
-    import httpx
-
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                   json={"messages": MESSAGES, "max_tokens": 2, **body}, timeout=60)
+    with server.http(timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     check_schema("ErrorResponse", r.json())
     assert needle in r.json()["error"]["message"]
@@ -148,7 +146,7 @@ def test_named_calls_over_the_structured_output_schemas(client, model):
     """Every object schema of the structured-output tests as a function's parameters: the call validates.
     Two have unbounded values (a free string, free integers) that random weights may run on past
     max_tokens; a cut call is reported as finish_reason "length", never passed off as complete."""
-    from structured_schemas import SCHEMAS as STRUCTURED
+    from tests.helpers.structured_schemas import SCHEMAS as STRUCTURED
 
     cases = [(name, prompt, schema) for name, prompt, schema in STRUCTURED if schema.get("type") == "object"]
     assert len(cases) >= 20
@@ -173,8 +171,8 @@ SMOL_SCRIPT = ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris
 
 
 def test_auto_parses_what_the_model_writes_through_the_server(client, model, check_schema):
-    """The model's output forced to a SmolLM2-format call list (a `choice` constraint): the real server
-    parses it, whole and streamed, and the openai client's stream helper rebuilds the same calls."""
+    """The model's output forced to a SmolLM2-format call list (a `choice` constraint): the server parses
+    it, whole and streamed, and the openai client's stream helper rebuilds the same calls."""
     params = dict(model=model, messages=MESSAGES, tools=TOOLS, max_completion_tokens=200, temperature=0,
                   extra_body={"structured_outputs": {"choice": [SMOL_SCRIPT]}})
     raw = client.chat.completions.with_raw_response.create(**params)
@@ -204,9 +202,9 @@ GET_WEATHER = tool("get_weather", {"type": "object", "properties": {
 
 
 @pytest.fixture(scope="module")
-def smollm2_client(smollm2_path, tmp_path_factory):
-    for srv in served(smollm2_path, tmp_path_factory, "--stats-interval", "0"):
-        yield openai_client(srv, timeout=300)
+def smollm2_client(smollm2_path):
+    for srv in in_process(smollm2_path, "--stats-interval", "0"):
+        yield srv.openai(timeout=300)
 
 
 def test_smollm2_weather_question_with_a_weather_tool(smollm2_client, check_schema):

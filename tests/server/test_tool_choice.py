@@ -15,8 +15,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError
 from kvserve.server.serving_chat import _ChatRun
 from kvserve.server.tool_choice import plan_tools, required_schema
-from test_server import check_schema  # noqa: F401  (a fixture)
-from tool_calling_helpers import SMOLLM2, WEATHER_TOOL, accumulate, chat_request, tool
+from tests.helpers.tool_calling import SMOLLM2, WEATHER_TOOL, accumulate, chat_request, tool
 
 
 # ---- tool_choice: validation and constraints -----------------------------------------------------
