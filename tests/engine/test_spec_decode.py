@@ -122,6 +122,7 @@ def test_greedy_with_ngram_equals_transformers_through_chunking_and_preemption(t
     assert stats.num_spec_draft_tokens > stats.num_spec_accepted_tokens, "no draft was ever rejected"
 
 
+@pytest.mark.slow  # NOTE: ~15 s: in `make test`, not `make test-fast`
 def test_speculation_changes_no_output_with_logprobs_stops_penalties_seeds_and_n(tiny_llama):
     """Greedy and seeded-sampled requests (penalties, min_tokens, logit_bias, stop strings and tokens, n=2,
     logprobs) give the same tokens with and without speculation; a seeded sample draws the same noise per
@@ -190,6 +191,7 @@ def _processed_probs(hf, ids: list[int], temperature: float, top_k: int) -> torc
     return torch.softmax(logits.masked_fill(logits < threshold, float("-inf")), dim=-1)
 
 
+@pytest.mark.slow  # NOTE: ~15 s: in `make test`, not `make test-fast`
 def test_sampled_tokens_follow_the_target_distribution_and_a_biased_rule_fails(tiny_llama, monkeypatch):
     """Chi-square on the joint histogram of tokens 2-3 (both from one verification: a draft and the bonus
     or the resample) over many seeded requests, against the exact target distribution (temperature, top-k).

@@ -111,6 +111,7 @@ def test_greedy_equals_transformers_with_xgrammar_logits_processor(tiny_llama, b
         assert got == want, (i, got, want)
 
 
+@pytest.mark.slow  # NOTE: ~15 s: in `make test`, not `make test-fast`
 def test_speculation_chunking_and_preemption_change_nothing(tiny_llama):
     """Greedy constrained outputs are the same with speculation off, with tiny prefill chunks, and in a KV
     pool so small that requests are preempted and recomputed (their matchers are not rewound: the tokens

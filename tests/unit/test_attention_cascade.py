@@ -12,12 +12,7 @@ from kvserve.attention.cascade import find_shared_prefixes
 from kvserve.attention.cpu_kernels import load_paged_attention
 from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.torch_ref import TorchRefBackend
-from kvserve.config import EngineArgs
-from kvserve.engine.engine import Engine
 from kvserve.kv_cache.quant import dequantize, quantize_blocks
-from kvserve.sampling_params import SamplingParams
-from tests.helpers.engine import run_to_completion, step_until_idle
-from tests.helpers.oracles import hf_logits
 
 DTYPES = {"float32": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -162,48 +157,6 @@ def test_backend_finds_groups_and_matches_the_reference_backend():
     ref_backend = TorchRefBackend()
     ref = ref_backend.forward(q, k_new, v_new, ref_cache, ref_backend.build_metadata(common), d ** -0.5)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
-
-
-def test_engine_with_prefix_hits_decoding_together_matches_transformers(tiny_llama, monkeypatch):
-    """Requests behind one cached 48-token prefix decode in the same steps (cascade groups used) beside an
-    unrelated one; every greedy token is transformers' argmax on the same tokens (within a near-tie), and
-    block invariants hold after every step."""
-    path, hf = tiny_llama
-    engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=64, attention_backend="cpu_paged",
-                               max_num_batched_tokens=64, speculative_config=None))
-    backend = engine.core.executor.worker.backend
-    grouped = []
-    build = backend.build_metadata
-
-    def spy(common):
-        meta = build(common)
-        grouped.append(meta.shared is not None)
-        return meta
-
-    monkeypatch.setattr(backend, "build_metadata", spy)
-    g = torch.Generator().manual_seed(1)
-    prefix = torch.randint(0, 49152, (48,), generator=g).tolist()
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    engine.add_request("first", prefix + [5, 6], params)
-    step_until_idle(engine)                   # its blocks stay in the prefix cache
-    prompts = {"first": prefix + [5, 6]}
-    for i in range(4):
-        prompts[f"p{i}"] = prefix + torch.randint(0, 49152, (3 + 7 * i,), generator=g).tolist()
-    prompts["other"] = torch.randint(0, 49152, (40,), generator=g).tolist()
-    for rid, p in prompts.items():
-        if rid != "first":
-            engine.add_request(rid, p, params)
-    grouped.clear()
-    done = run_to_completion(engine)
-    assert engine.scheduler.stats.num_prefix_hit_tokens >= 4 * 48
-    assert any(grouped)
-    for rid, p in prompts.items():
-        if rid == "first":
-            continue
-        tokens = done[rid].outputs[0].token_ids
-        ref = hf_logits(hf, p + tokens)[len(p) - 1:-1]                     # the logits each token came from
-        chosen = ref.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-        assert (chosen >= ref.max(dim=1).values - 1e-3).all(), rid
 
 
 def test_microbench_refuses_a_missing_baseline(capsys):
