@@ -28,7 +28,7 @@ _PEAKS = (("H200", 4.8e12, 989e12), ("H100 PCIe", 2.0e12, 756e12), ("H100", 3.35
 # Dense bf16 FLOPs per SM per clock by compute capability (for a device not in the table).
 _FLOPS_PER_SM_CLOCK = {(9, 0): 4096, (8, 0): 2048, (8, 9): 1024, (8, 6): 1024}
 
-# (prompt tokens, output tokens) of shared/workloads/mixed.jsonl, for a machine without the file.
+# (prompt tokens, output tokens) of kvserve/bench/workloads/mixed.jsonl, for a machine without the file.
 _MIXED_SHAPES = [(157, 167), (443, 128), (508, 21), (128, 228), (413, 77), (62, 105), (433, 118), (437, 124),
                  (249, 59), (286, 91), (56, 114), (196, 218), (255, 86), (261, 193), (185, 117), (156, 201),
                  (151, 203), (444, 43), (42, 250), (314, 118), (63, 100), (273, 236), (429, 87), (96, 86),

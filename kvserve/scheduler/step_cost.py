@@ -19,7 +19,7 @@ the number of sequences barely changes (the intercept, tokens and sequences are 
   The former absolute ridge weighed ~1e-4 of one step, so those directions were left to noise.
 - The coefficients are a non-negative least squares solution (an active set: solve, pin the negative ones
   at 0, solve again), not a clamp of the free solution: clamping one coefficient of a collinear pair
-  without refitting the others over-predicted decode steps 3.6x in a replay (tests/test_step_cost_replay.py),
+  without refitting the others over-predicted decode steps 3.6x in a replay (tests/unit/test_step_cost_replay.py),
   which the 2x-decode rule then turned into 400 ms steps.
 A model whose linears switch kernels at some step size gets a sixth feature, min(tokens, knee_rows): the
 quantized kernels (layers/quant/kernels.py) read the weight once per 8 rows up to kernels.small_rows() and

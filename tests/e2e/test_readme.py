@@ -144,7 +144,7 @@ def _resolve(block: Block, request) -> str:
     found = sorted(set(_PLACEHOLDER.findall(text)), key=len, reverse=True)
     unknown = [p for p in found if p not in PLACEHOLDERS]
     if unknown:
-        pytest.fail(f"{block.page} line {block.line}: placeholder(s) {unknown} are not in tests/test_readme.py's "
+        pytest.fail(f"{block.page} line {block.line}: placeholder(s) {unknown} are not in tests/e2e/test_readme.py's "
                     f"PLACEHOLDERS; add them there, or mark the block <!-- not run: REASON -->")
     for placeholder in found:
         text = text.replace(placeholder, request.getfixturevalue(PLACEHOLDERS[placeholder]))
@@ -192,7 +192,7 @@ def test_readme_block_runs_as_pasted(block: Block, request, shell_env, tmp_path)
 
 def test_the_convention_is_stated_and_read():
     markdown = README.read_text(encoding="utf-8")
-    assert "tests/test_readme.py" in markdown.split("\n# ", 1)[0]  # the HTML comment above the title
+    assert "tests/e2e/test_readme.py" in markdown.split("\n# ", 1)[0]  # the HTML comment above the title
     sample = "\n".join([
         "<!-- not run: needs a GPU -->", "", "```bash", "nvidia-smi", "```",
         "```python", "print(1)", "```",

@@ -6,7 +6,7 @@
 - SamplingParams and LLM.generate with hypothesis: any value either raises ValueError up front or
   generates; the engine stays usable.
 
-Bounded for CI; `pytest tests/test_fuzz.py --fuzz-examples 500` runs more.
+Bounded for CI; `pytest tests/server/test_fuzz.py --fuzz-examples 500` runs more.
 """
 from __future__ import annotations
 

@@ -147,7 +147,7 @@ def test_simulated_interference_meets_the_issue_target_without_starving_long_pro
 
 
 def test_simulated_mixed_throughput_close_to_the_fixed_budget():
-    """All of `mixed`-like traffic queued at once (the shapes of ../shared/workloads/mixed.jsonl's first
+    """All of `mixed`-like traffic queued at once (the shapes of the built-in `mixed` workload's first
     rows): with the ground truth above 150 ms takes 1.07x the fixed budget's time (more, smaller steps while
     few requests decode; before the fix 1.0x, its inflated decode predictions letting the 2x-decode rule
     size chunks near the whole budget). A guard: the contended bench run before the fix measured 1.37x."""
