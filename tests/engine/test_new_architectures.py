@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_last_after_prefix
+from conftest import run_last_after_prefix, run_to_completion
 from golden_helpers import hf_greedy
 from test_model_equivalence import _mixed_batch, hf_logits, paged_logits
 
@@ -226,3 +226,25 @@ def test_kv_calc_sizes_the_new_architectures(checkpoint, capsys):
     cfg = hf.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     assert report["kv_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "phi3"])
+def test_tensor_parallel_two_ranks_match_transformers(tmp_path, arch):
+    """TP=2 (gloo): experts split over their intermediate dimension, the shared expert as a dense MLP (Qwen2-MoE);
+    the checkpoint's fused qkv_proj / gate_up_proj cut into each rank's heads and rows (Phi-3)."""
+    from kvserve.engine.llm import LLM
+
+    hf = make_checkpoint(str(tmp_path), arch, seed=5)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, num_gpu_blocks_override=64, max_num_batched_tokens=16,
+              num_threads=1)
+    try:
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (29, 5)]
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            llm.engine.add_request(str(i), prompt, params)
+        done = run_to_completion(llm.engine)
+    finally:
+        llm.shutdown()
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == hf_greedy(hf, prompt, 6)[0], f"request {i}"
