@@ -4,8 +4,9 @@ model_loader/architectures.py's ArchFeatures.
 
 Follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 (RMSNorm, rotate-half RoPE, GQA,
 SwiGLU), modeling_qwen3_moe / modeling_qwen2_moe (sparse MLP blocks), modeling_olmoe (full-width q/k norm,
-clip_qkv) and modeling_granite (the four multipliers), with two serving changes: q/k/v and gate/up projections are fused into one matmul each, and the
-input is a flat token batch [T] with positions, whose attention goes through the paged KV cache.
+clip_qkv) and modeling_granite (the four multipliers), with two serving changes: q/k/v and gate/up projections
+are fused into one matmul each, and the input is a flat token batch [T] with positions, whose attention goes
+through the paged KV cache.
 
 This file describes the network only: the layers (kvserve/layers) load their own weights, shards
 included, and multiply through a pluggable method; model_loader/weight_loader.py maps checkpoint names to them.
@@ -76,9 +77,10 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, method,
                                         shard.rank, shard.size, shard.all_reduce)
         # Qwen3: per head (width head_dim); OLMoE: over the whole projection (one rank holds all of it)
-        norm_width = (self.q_size, self.kv_size) if feats.qk_norm_full_width else (self.head_dim,) * 2
-        self.q_norm = RMSNorm(norm_width[0], cfg.rms_norm_eps) if feats.qk_norm or feats.qk_norm_full_width else None
-        self.k_norm = RMSNorm(norm_width[1], cfg.rms_norm_eps) if self.q_norm is not None else None
+        q_width, k_width = (self.q_size, self.kv_size) if feats.qk_norm_full_width else (self.head_dim,) * 2
+        has_norm = feats.qk_norm or feats.qk_norm_full_width
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if has_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if has_norm else None
         self.clip_qkv = getattr(cfg, "clip_qkv", None) if feats.qk_norm_full_width else None
         self.backend = backend
 

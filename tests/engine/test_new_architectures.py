@@ -168,6 +168,8 @@ def test_greedy_tokens_match_transformers_with_chunked_prefill_and_prefix_hit(ch
         pytest.skip("no experts")
     monkeypatch.setenv("KVSERVE_MOE_IMPL", moe_impl)
     engine = _engine(path, max_num_batched_tokens=16, enable_chunked_prefill=True)
+    layers = engine.core.executor.worker.runner.model.layers
+    assert all(layer.mlp.experts.impl == moe_impl for layer in layers if hasattr(layer.mlp, "experts"))
     g = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, 49152, (40,), generator=g).tolist()
     prompts = [prefix + torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 11, 7)]
