@@ -25,20 +25,22 @@ from kvserve.layers.linear import _copy
 
 MOE_IMPLS = ("sorted", "reference")
 
-def expert_params_mapping(num_experts: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+def expert_params_mapping(num_experts: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                          stacked_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
                           ) -> list[tuple[str, str, int | None, str]]:
     """(our parameter, checkpoint name relative to the MoE block, expert id, shard id) for every tensor a
     FusedMoE layer can be loaded from: one per expert and projection (`experts.{e}.gate_proj.weight`, ...),
     and transformers' own stacked tensors (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`),
     whose expert id is None. A checkpoint holds one form or the other. `names`: an expert's (gate, up, down)
-    projections as the checkpoint names them (Mixtral's: w1, w3, w2)."""
+    projections as the checkpoint names them (Mixtral's: w1, w3, w2); `stacked_names`: the stacked tensors'
+    names (Granite-MoE's: input_linear.weight, output_linear.weight)."""
     gate, up, down = names
     mapping = []
     for e in range(num_experts):
         mapping += [("w13", f"experts.{e}.{gate}.weight", e, "w1"),
                     ("w13", f"experts.{e}.{up}.weight", e, "w3"),
                     ("w2", f"experts.{e}.{down}.weight", e, "w2")]
-    mapping += [("w13", "experts.gate_up_proj", None, "w13"), ("w2", "experts.down_proj", None, "w2")]
+    mapping += [("w13", stacked_names[0], None, "w13"), ("w2", stacked_names[1], None, "w2")]
     return mapping
 
 
@@ -102,7 +104,8 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  tp_rank: int = 0, tp_size: int = 1,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, impl: str | None = None,
-                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 stacked_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")):
         super().__init__()
         if intermediate_size % tp_size:
             raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by "
@@ -114,7 +117,7 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size // tp_size                  # this rank's
         self.tp_rank, self.tp_size, self.reduce = tp_rank, tp_size, reduce
         self.impl = impl
-        self.expert_names = expert_names
+        self.expert_names, self.stacked_names = expert_names, stacked_names
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size),
                                 requires_grad=False)                          # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size),
@@ -128,7 +131,7 @@ class FusedMoE(nn.Module):
 
     def expert_mapping(self) -> list[tuple[str, str, int | None, str]]:
         """The checkpoint tensors this layer loads from (expert_params_mapping), names relative to its block."""
-        return expert_params_mapping(self.num_experts, self.expert_names)
+        return expert_params_mapping(self.num_experts, self.expert_names, self.stacked_names)
 
     def weight_loader(self, name: str, loaded: torch.Tensor, expert_id: int | None, shard_id: str) -> None:
         """Copy this rank's part of checkpoint tensor `loaded` into parameter `name` ("w13" or "w2"): one

@@ -19,6 +19,11 @@ class ArchFeatures:
     """An expert's gate, up and down projections as the checkpoint names them."""
     moe_prefix: str = "mlp"
     """The MoE block's name in the checkpoint (Mixtral: block_sparse_moe); ours is always `mlp`."""
+    stacked_expert_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
+    """Every expert's gate+up [E, 2I, H] and down [E, H, I] stacked in one tensor each, as the checkpoint names
+    them within the block (transformers' own layout; Granite-MoE's input_linear / output_linear)."""
+    router_name: str = "gate"
+    """The router's name in the checkpoint, within the block (Granite-MoE: router.layer); ours is `gate`."""
     shared_expert: bool = False
     """Qwen2-MoE: a dense shared expert beside the routed ones, scaled by sigmoid(shared_expert_gate(x))."""
     fused_checkpoint: bool = False
@@ -42,6 +47,9 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
     "OlmoeForCausalLM": ArchFeatures(qk_norm_full_width=True, tensor_parallel=False, **_MOE),
     "Phi3ForCausalLM": ArchFeatures(fused_checkpoint=True),
     "GraniteForCausalLM": ArchFeatures(multipliers=True),
+    "GraniteMoeForCausalLM": ArchFeatures(multipliers=True, moe_prefix="block_sparse_moe", router_name="router.layer",
+                                          stacked_expert_names=("input_linear.weight", "output_linear.weight"),
+                                          **_MOE),
 }
 
 

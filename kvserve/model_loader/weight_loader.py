@@ -39,8 +39,7 @@ def expected_tensors(model: nn.Module) -> dict[str, Target]:
     expert and stacked (a checkpoint holds one form)."""
     expected = {}
     fused_checkpoint = getattr(getattr(model, "feats", None), "fused_checkpoint", False)
-    renames = {path: f"{path.rpartition('.')[0]}.{m.checkpoint_name}".lstrip(".")
-               for path, m in model.named_modules() if getattr(m, "checkpoint_name", None)}
+    renames = {path: m.checkpoint_name for path, m in model.named_modules() if getattr(m, "checkpoint_name", None)}
     for pname, _ in model.named_parameters():  # NOTE: a tied LM head shares the embedding: listed once
         module_path, _, attr = pname.rpartition(".")
         prefix = "" if pname.startswith("lm_head") else "model."
@@ -64,11 +63,10 @@ def expected_tensors(model: nn.Module) -> dict[str, Target]:
 
 
 def _renamed(module_path: str, renames: dict[str, str]) -> str:
-    """`module_path` as the checkpoint names it: a module with a `checkpoint_name` renames its own segment."""
-    for ours, theirs in renames.items():
-        if module_path == ours or module_path.startswith(ours + "."):
-            return theirs + module_path[len(ours):]
-    return module_path
+    """`module_path` as the checkpoint names it: a module with a `checkpoint_name` (in `renames` by its path)
+    stands under that name instead of its own."""
+    parts = module_path.split(".")
+    return ".".join(renames.get(".".join(parts[:i + 1]), part) for i, part in enumerate(parts))
 
 
 def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -112,20 +110,20 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
 
 def _missing(expected: dict[str, Target], seen: set[str]) -> list[str]:
     """Expected names not seen. An expert parameter is whole from its stacked tensor or from every per-expert
-    one (the per-expert names are the ones reported); both forms at once is an error."""
-    stacked = {(t.module_path, t.attr): name for name, t in expected.items() if t.stacked}
+    one: the missing per-expert names are reported once one of them is seen, else the stacked name. Both forms
+    at once is an error."""
+    started = {(expected[n].module_path, expected[n].attr) for n in seen if expected[n].expert and
+               not expected[n].stacked}
+    whole = {(expected[n].module_path, expected[n].attr): n for n in seen if expected[n].stacked}
+    both = started & whole.keys()
+    if both:
+        raise ValueError(f"checkpoint holds both {whole[both.pop()]} and per-expert tensors of the same parameter")
     missing = []
     for name, t in expected.items():
-        if name in seen or t.stacked:
+        key = (t.module_path, t.attr)
+        if name in seen or (t.expert and key in whole) or (t.expert and t.stacked == (key in started)):
             continue
-        whole = stacked.get((t.module_path, t.attr)) if t.expert else None
-        if whole is None or whole not in seen:
-            missing.append(name)
-    for whole in set(stacked.values()) & seen:
-        path_attr = (expected[whole].module_path, expected[whole].attr)
-        both = [n for n in seen if n != whole and (expected[n].module_path, expected[n].attr) == path_attr]
-        if both:
-            raise ValueError(f"checkpoint holds both {whole} and per-expert tensors such as {both[0]}")
+        missing.append(name)
     return missing
 
 

@@ -51,6 +51,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = hf_rope.inv_freq.float()                                   # [D/2]
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)                               # [P, D]
+        partial = (getattr(hf_config, "rope_parameters", None) or {}).get(
+            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+        if partial != 1.0 or emb.shape[-1] != hf_config.head_dim:
+            raise ValueError(f"RoPE over part of each head (partial_rotary_factor {partial}) is not supported yet")
         self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
 
@@ -124,8 +128,9 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(cfg.hidden_size, experts, False, DenseMethod())
         self.experts = FusedMoE(experts, cfg.num_experts_per_tok, cfg.hidden_size, moe_intermediate_size(cfg),
                                 bool(getattr(cfg, "norm_topk_prob", True)), shard.rank, shard.size, shard.all_reduce,
-                                expert_names=feats.expert_names)
-        self.checkpoint_name = feats.moe_prefix  # the block's name in the checkpoint (weight_loader.py)
+                                expert_names=feats.expert_names, stacked_names=feats.stacked_expert_names)
+        # names in the checkpoint where they differ from ours (weight_loader.py)
+        self.checkpoint_name, self.gate.checkpoint_name = feats.moe_prefix, feats.router_name
         self.shared_expert = None
         if feats.shared_expert:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, method, shard)

@@ -25,7 +25,7 @@ from kvserve.layers.moe import select_experts
 from kvserve.model_loader.weight_loader import expected_tensors
 from kvserve.sampling_params import SamplingParams
 
-MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granitemoe")
 NEW_ARCHS = MOE_ARCHS + ("phi3", "granite")
 
 
@@ -48,6 +48,10 @@ def tiny_config(arch: str):
     if arch == "olmoe":      # q/k norm over the whole projection, clip_qkv, top-k not renormalised
         return tf.OlmoeConfig(**common, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
                               num_experts=8, clip_qkv=1.5, norm_topk_prob=False)
+    if arch == "granitemoe":  # the four multipliers; experts stored stacked (input_linear / output_linear)
+        return tf.GraniteMoeConfig(**common, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
+                                   num_local_experts=8, embedding_multiplier=6.0, attention_multiplier=0.2,
+                                   residual_multiplier=0.4, logits_scaling=3.0)
     if arch == "phi3":       # qkv_proj and gate_up_proj fused in the checkpoint
         return tf.Phi3Config(**common, intermediate_size=128, num_hidden_layers=2, pad_token_id=0)
     if arch == "granite":    # the four multipliers
@@ -109,10 +113,11 @@ def test_every_checkpoint_tensor_is_consumed(checkpoint):
     arch, path, _ = checkpoint
     engine = _engine(path)
     model = engine.core.executor.worker.runner.model
-    needed = {name for name, t in expected_tensors(model).items() if not t.stacked}
+    # transformers writes experts one tensor each, except Granite-MoE's, stacked
+    stacked = arch == "granitemoe"
+    needed = {name for name, t in expected_tensors(model).items() if not t.expert or t.stacked == stacked}
     assert _checkpoint_names(path) == needed
-    if arch in MOE_ARCHS:
-        assert any(".experts.0." in name for name in needed)
+    assert any(t.expert for t in expected_tensors(model).values()) == (arch in MOE_ARCHS)
 
 
 @torch.inference_mode()
@@ -129,10 +134,9 @@ def _chosen_experts(engine: Engine, hf, tokens: list[int]) -> tuple[list[torch.T
                 ours.append(select_experts(logits, k, False)[1].sort(-1).values)
                 return logits
             layer.mlp.gate.forward = recording
-    for layer in hf.model.layers:
-        if hasattr(layer.mlp, "experts"):
-            hooks.append(layer.mlp.gate.register_forward_hook(
-                lambda m, i, out: theirs.append(out[2].sort(-1).values)))
+    for module in hf.modules():  # each architecture's TopKRouter returns (logits, weights, expert ids)
+        if type(module).__name__.endswith("TopKRouter"):
+            hooks.append(module.register_forward_hook(lambda m, i, out: theirs.append(out[2].sort(-1).values)))
     try:
         paged_logits(engine, [(tokens, 0, len(tokens))])
         hf_logits(hf, tokens)
@@ -250,3 +254,15 @@ def test_tensor_parallel_two_ranks_match_transformers(tmp_path, arch):
         llm.shutdown()
     for i, prompt in enumerate(prompts):
         assert done[str(i)].outputs[0].token_ids == hf_greedy(hf, prompt, 6)[0], f"request {i}"
+
+
+def test_checkpoint_missing_stacked_experts_names_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_checkpoint(str(tmp_path), "granitemoe")
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.0.block_sparse_moe.output_linear.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.0\.block_sparse_moe\.output_linear\.weight$"):
+        _engine(str(tmp_path))
