@@ -101,6 +101,9 @@ _IMPLS = {"sorted": experts_sorted, "reference": experts_reference}
 class FusedMoE(nn.Module):
     """The routed experts of one MoE layer: forward(x, router_logits) -> [T, H] (summed across ranks)."""
 
+    supports_cuda_graphs = False
+    """Both paths read which experts are active on the host (a sync per layer): not capturable in a graph."""
+
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  tp_rank: int = 0, tp_size: int = 1,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, impl: str | None = None,

@@ -55,6 +55,8 @@ class RotaryEmbedding(nn.Module):
             "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
         if partial != 1.0 or emb.shape[-1] != hf_config.head_dim:
             raise ValueError(f"RoPE over part of each head (partial_rotary_factor {partial}) is not supported yet")
+        if getattr(hf_rope, "rope_type", None) == "longrope":  # transformers switches factors by sequence length
+            raise ValueError("longrope RoPE scaling (Phi-3 long-context checkpoints) is not supported yet")
         self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
 

@@ -266,3 +266,21 @@ def test_checkpoint_missing_stacked_experts_names_them(tmp_path):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.0\.block_sparse_moe\.output_linear\.weight$"):
         _engine(str(tmp_path))
+
+
+@pytest.mark.parametrize(("rope", "message"), [
+    (dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75"),
+    (dict(original_max_position_embeddings=512,
+          rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}), "longrope")])
+def test_rope_variants_not_built_yet_are_refused(tmp_path, rope, message):
+    """Phi-3 checkpoints whose RoPE we would compute differently from transformers fail at load, by name."""
+    import transformers as tf
+
+    from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_tokenizer
+
+    cfg = tf.Phi3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **rope)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    load_gguf_tokenizer(builtin_model_path()).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=message):
+        _engine(str(tmp_path))
