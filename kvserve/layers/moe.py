@@ -23,7 +23,6 @@ from torch import nn
 from kvserve import envs
 from kvserve.layers.linear import _copy
 
-MOE_IMPLS = ("sorted", "reference")
 
 def expert_params_mapping(num_experts: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                           stacked_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
@@ -115,7 +114,7 @@ class FusedMoE(nn.Module):
                              f"tensor_parallel_size {tp_size}")
         impl = impl or envs.moe_impl()
         if impl not in _IMPLS:
-            raise ValueError(f"MoE implementation must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
+            raise ValueError(f"MoE implementation must be one of {', '.join(_IMPLS)}, got {impl!r}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size // tp_size                  # this rank's
         self.tp_rank, self.tp_size, self.reduce = tp_rank, tp_size, reduce

@@ -49,7 +49,7 @@ def expected_tensors(model: nn.Module) -> dict[str, Target]:
             for param, name, expert_id, shard_id in module.expert_mapping():
                 if param == attr:
                     expected[f"{prefix}{ckpt_path.rpartition('.')[0]}.{name}"] = Target(
-                        module_path, attr, shard_id, True, expert_id, expert_id is None)
+                        module_path, attr, shard_id, expert=True, expert_id=expert_id, stacked=expert_id is None)
             continue
         parent, _, last = ckpt_path.rpartition(".")
         if last not in _FUSED:
