@@ -231,16 +231,14 @@ def test_checkpoint_missing_expert_tensor_is_named(tmp_path, arch, dropped):
         _engine(str(tmp_path))
 
 
-def test_olmoe_refuses_tensor_parallelism(checkpoint):
+def test_olmoe_refuses_tensor_parallelism():
     from kvserve.config.parallel import ParallelConfig
+    from kvserve.model_loader.loader import normalize_config
 
-    arch, path, _ = checkpoint
-    if arch != "olmoe":
-        pytest.skip("OLMoE only")
-    from kvserve.model_loader.loader import ModelSource, load_hf_config
-
+    cfg = normalize_config(tiny_config("olmoe"))
+    cfg.architectures = ["OlmoeForCausalLM"]
     with pytest.raises(ValueError, match="OlmoeForCausalLM does not run with tensor parallelism"):
-        ParallelConfig(tensor_parallel_size=2).check_model(load_hf_config(ModelSource.resolve(path)))
+        ParallelConfig(tensor_parallel_size=2).check_model(cfg)
 
 
 def test_kv_calc_sizes_the_new_architectures(checkpoint, capsys):
