@@ -62,3 +62,9 @@ def keep_freed_memory() -> bool:
     """Freed host memory stays in the engine process for the next step (utils/host_malloc.py): on unless
     KVSERVE_KEEP_FREED_MEMORY=0 (glibc's own thresholds: large blocks go back to the OS on free)."""
     return _get("KVSERVE_KEEP_FREED_MEMORY") != "0"
+
+
+def moe_impl() -> str:
+    """KVSERVE_MOE_IMPL: how Mixture-of-Experts layers compute their experts (layers/moe.py): `sorted` (the
+    default: tokens sorted by expert, one pass over the active experts) or `reference` (transformers' loop)."""
+    return _get("KVSERVE_MOE_IMPL") or "sorted"

@@ -47,7 +47,16 @@ class ParallelConfig:
         if kv_heads % tp and tp % kv_heads:
             raise ValueError(f"the model's {kv_heads} KV heads can be neither split over nor replicated on "
                              f"{tp} ranks: tensor_parallel_size must divide {kv_heads} or be a multiple of it")
-        for name in ("intermediate_size", "vocab_size"):
-            value = getattr(hf_config, name)
-            if value % tp:
+        from kvserve.model_loader.architectures import resolve_architecture
+
+        arch, feats = resolve_architecture(hf_config)
+        if not feats.tensor_parallel:
+            raise ValueError(f"{arch} does not run with tensor parallelism yet (its q/k norm spans every head): "
+                             "use tensor_parallel_size 1")
+        names = ["intermediate_size", "vocab_size"]
+        if feats.moe:  # experts split over their intermediate dimension (layers/moe.py)
+            names += ["moe_intermediate_size", "shared_expert_intermediate_size"]
+        for name in names:
+            value = getattr(hf_config, name, None)
+            if value is not None and value % tp:
                 raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {name} {value}")

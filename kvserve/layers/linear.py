@@ -104,6 +104,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, method, tp_rank, tp_size)
 
     def weight_loader(self, name: str, loaded: torch.Tensor, shard_id=None) -> None:
+        """shard_id: the part's index, or "fused" for a checkpoint tensor holding every part (Phi-3)."""
+        if shard_id == "fused":
+            start = 0
+            for i, size in enumerate(self.output_sizes):
+                self.weight_loader(name, loaded.narrow(0, start, size * self.tp_size), i)
+                start += size * self.tp_size
+            return
         start = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
         _copy_rows(self, name, start, size, _rank_slice(loaded, 0, size, self.tp_rank))
@@ -129,6 +136,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, name: str, loaded: torch.Tensor, shard_id=None) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "qkv":  # a checkpoint tensor holding q, k and v (Phi-3): each part as if separate
+            q_full = q * self.tp_size
+            kv_full = (loaded.shape[0] - q_full) // 2
+            for part, start, size in (("q", 0, q_full), ("k", q_full, kv_full), ("v", q_full + kv_full, kv_full)):
+                self.weight_loader(name, loaded.narrow(0, start, size), part)
+            return
         if shard_id == "q":
             start, size, src = 0, q, _rank_slice(loaded, 0, q, self.tp_rank)
         elif shard_id in ("k", "v"):

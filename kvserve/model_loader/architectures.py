@@ -11,13 +11,45 @@ class ArchFeatures:
 
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False   # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    qk_norm_full_width: bool = False
+    """OLMoE: RMSNorm over the whole q (and k) projection, not per head; with config.clip_qkv, q/k/v clamped."""
+    moe: bool = False
+    """Sparse MoE MLPs (layers/moe.py) in the layers the config names (moe_layer_indices)."""
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """An expert's gate, up and down projections as the checkpoint names them."""
+    moe_prefix: str = "mlp"
+    """The MoE block's name in the checkpoint (Mixtral: block_sparse_moe); ours is always `mlp`."""
+    stacked_expert_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
+    """Every expert's gate+up [E, 2I, H] and down [E, H, I] stacked in one tensor each, as the checkpoint names
+    them within the block (transformers' own layout; Granite-MoE's input_linear / output_linear)."""
+    router_name: str = "gate"
+    """The router's name in the checkpoint, within the block (Granite-MoE: router.layer); ours is `gate`."""
+    shared_expert: bool = False
+    """Qwen2-MoE: a dense shared expert beside the routed ones, scaled by sigmoid(shared_expert_gate(x))."""
+    fused_checkpoint: bool = False
+    """Phi-3: the checkpoint stores qkv_proj and gate_up_proj already fused."""
+    multipliers: bool = False
+    """Granite: embedding_multiplier, attention_multiplier (the softmax scale), residual_multiplier,
+    logits_scaling from the config."""
+    tensor_parallel: bool = True
+    """False where a layer needs the whole projection on one rank (OLMoE's full-width q/k norm)."""
 
 
+_MOE = dict(moe=True)
 ARCHITECTURES: dict[str, ArchFeatures] = {
     "LlamaForCausalLM": ArchFeatures(),
     "MistralForCausalLM": ArchFeatures(),
     "Qwen2ForCausalLM": ArchFeatures(qkv_bias=True),
     "Qwen3ForCausalLM": ArchFeatures(qk_norm=True),
+    "Qwen3MoeForCausalLM": ArchFeatures(qk_norm=True, **_MOE),
+    "MixtralForCausalLM": ArchFeatures(expert_names=("w1", "w3", "w2"), moe_prefix="block_sparse_moe", **_MOE),
+    "Qwen2MoeForCausalLM": ArchFeatures(qkv_bias=True, shared_expert=True, **_MOE),
+    "OlmoeForCausalLM": ArchFeatures(qk_norm_full_width=True, tensor_parallel=False, **_MOE),
+    "Phi3ForCausalLM": ArchFeatures(fused_checkpoint=True),
+    "GraniteForCausalLM": ArchFeatures(multipliers=True),
+    "GraniteMoeForCausalLM": ArchFeatures(multipliers=True, moe_prefix="block_sparse_moe", router_name="router.layer",
+                                          stacked_expert_names=("input_linear.weight", "output_linear.weight"),
+                                          **_MOE),
 }
 
 
@@ -29,3 +61,23 @@ def resolve_architecture(hf_config) -> tuple[str, ArchFeatures]:
     raise ValueError(
         f"unsupported architecture {archs or getattr(hf_config, 'model_type', None)!r}; "
         f"supported: {', '.join(ARCHITECTURES)}")
+
+
+def num_experts(hf_config) -> int:
+    """Routed experts per MoE layer (Mixtral calls it num_local_experts)."""
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0) or 0)
+
+
+def moe_intermediate_size(hf_config) -> int:
+    """One expert's MLP width (Mixtral and OLMoE: intermediate_size, every layer being sparse)."""
+    return int(getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size)
+
+
+def moe_layer_indices(hf_config, feats: ArchFeatures) -> set[int]:
+    """The decoder layers whose MLP is sparse, as transformers' Qwen2-MoE/Qwen3-MoE decide: not in
+    mlp_only_layers and (index + 1) a multiple of decoder_sparse_step (every layer when neither is set)."""
+    if not feats.moe or num_experts(hf_config) == 0:
+        return set()
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = int(getattr(hf_config, "decoder_sparse_step", None) or 1)
+    return {i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0}

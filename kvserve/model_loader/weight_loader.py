@@ -5,6 +5,7 @@ tensor we do not know is an error naming it. Each layer copies its own part (fus
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,24 +14,59 @@ from kvserve.model_loader.lazy_tensor import materialize
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-# Our fused module -> the checkpoint's separate modules, with the shard id each fills.
-_FUSED = {"self_attn.qkv_proj": [("self_attn.q_proj", "q"), ("self_attn.k_proj", "k"), ("self_attn.v_proj", "v")],
-          "mlp.gate_up_proj": [("mlp.gate_proj", 0), ("mlp.up_proj", 1)]}
+# Our fused module (its last name) -> the checkpoint's separate modules, with the shard id each fills.
+_FUSED = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+          "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
+# A checkpoint that stores them fused already (Phi-3): the whole tensor, split by the layer
+_ALREADY_FUSED = {"qkv_proj": "qkv", "gate_up_proj": "fused"}
 
 
-def expected_tensors(model: nn.Module) -> dict[str, tuple[str, str, object]]:
-    """Checkpoint name -> (our module path, parameter name, shard id) for every tensor the model needs."""
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: parameter `attr` of module `module_path`, part `shard_id`. Experts
+    (layers/moe.py FusedMoE): `expert_id` (None for a tensor of every expert stacked, `stacked` True)."""
+
+    module_path: str
+    attr: str
+    shard_id: object = None
+    expert: bool = False
+    expert_id: int | None = None
+    stacked: bool = False
+
+
+def expected_tensors(model: nn.Module) -> dict[str, Target]:
+    """Checkpoint name -> Target for every tensor the model needs. A FusedMoE parameter is listed twice: per
+    expert and stacked (a checkpoint holds one form)."""
     expected = {}
+    fused_checkpoint = getattr(getattr(model, "feats", None), "fused_checkpoint", False)
+    renames = {path: m.checkpoint_name for path, m in model.named_modules() if getattr(m, "checkpoint_name", None)}
     for pname, _ in model.named_parameters():  # NOTE: a tied LM head shares the embedding: listed once
         module_path, _, attr = pname.rpartition(".")
         prefix = "" if pname.startswith("lm_head") else "model."
-        fused = next((f for f in _FUSED if module_path.endswith(f)), None)
-        if fused is None:
-            expected[f"{prefix}{pname}"] = (module_path, attr, None)
+        ckpt_path = _renamed(module_path, renames)
+        module = model.get_submodule(module_path)
+        if hasattr(module, "expert_mapping"):
+            for param, name, expert_id, shard_id in module.expert_mapping():
+                if param == attr:
+                    expected[f"{prefix}{ckpt_path.rpartition('.')[0]}.{name}"] = Target(
+                        module_path, attr, shard_id, expert=True, expert_id=expert_id, stacked=expert_id is None)
             continue
-        for part, shard_id in _FUSED[fused]:
-            expected[f"{prefix}{module_path[:-len(fused)]}{part}.{attr}"] = (module_path, attr, shard_id)
+        parent, _, last = ckpt_path.rpartition(".")
+        if last not in _FUSED:
+            expected[f"{prefix}{ckpt_path}.{attr}"] = Target(module_path, attr)
+        elif fused_checkpoint:
+            expected[f"{prefix}{ckpt_path}.{attr}"] = Target(module_path, attr, _ALREADY_FUSED[last])
+        else:
+            for part, shard_id in _FUSED[last]:
+                expected[f"{prefix}{parent}.{part}.{attr}"] = Target(module_path, attr, shard_id)
     return expected
+
+
+def _renamed(module_path: str, renames: dict[str, str]) -> str:
+    """`module_path` as the checkpoint names it: a module with a `checkpoint_name` (in `renames` by its path)
+    stands under that name instead of its own."""
+    parts = module_path.split(".")
+    return ".".join(renames.get(".".join(parts[:i + 1]), part) for i, part in enumerate(parts))
 
 
 def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -50,24 +86,45 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
             continue
         if name in seen:
             raise ValueError(f"checkpoint tensor {name} appears twice")
-        module_path, attr, shard_id = expected[name]
-        module = model.get_submodule(module_path)
+        target = expected[name]
+        module = model.get_submodule(target.module_path)
         try:
-            if hasattr(module, "weight_loader"):
-                module.weight_loader(attr, tensor, shard_id)
+            if target.expert:
+                module.weight_loader(target.attr, tensor, target.expert_id, target.shard_id)
+            elif hasattr(module, "weight_loader"):
+                module.weight_loader(target.attr, tensor, target.shard_id)
             else:
-                _copy_whole(getattr(module, attr).data, tensor)
+                _copy_whole(getattr(module, target.attr).data, tensor)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name} {e}") from None
         seen.add(name)
     if unexpected:
         raise ValueError(_name_list("unexpected tensors in checkpoint", unexpected))
-    missing = [n for n in expected if n not in seen]
+    missing = _missing(expected, seen)
     if missing:
         raise ValueError(_name_list("checkpoint is missing tensors", missing))
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+
+
+def _missing(expected: dict[str, Target], seen: set[str]) -> list[str]:
+    """Expected names not seen. An expert parameter is whole from its stacked tensor or from every per-expert
+    one: the missing per-expert names are reported once one of them is seen, else the stacked name. Both forms
+    at once is an error."""
+    started = {(expected[n].module_path, expected[n].attr) for n in seen if expected[n].expert and
+               not expected[n].stacked}
+    whole = {(expected[n].module_path, expected[n].attr): n for n in seen if expected[n].stacked}
+    both = started & whole.keys()
+    if both:
+        raise ValueError(f"checkpoint holds both {whole[both.pop()]} and per-expert tensors of the same parameter")
+    missing = []
+    for name, t in expected.items():
+        key = (t.module_path, t.attr)
+        if name in seen or (t.expert and key in whole) or (t.expert and t.stacked == (key in started)):
+            continue
+        missing.append(name)
+    return missing
 
 
 def _copy_whole(dest: torch.Tensor, src: torch.Tensor) -> None:

@@ -1,8 +1,12 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+"""Llama-family decoder over a flattened, paged batch: Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, and the
+Mixture-of-Experts ones (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE); what each changes is a flag of
+model_loader/architectures.py's ArchFeatures.
 
 Follows transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 (RMSNorm, rotate-half RoPE, GQA,
-SwiGLU), with two serving changes: q/k/v and gate/up projections are fused into one matmul each, and the
-input is a flat token batch [T] with positions, whose attention goes through the paged KV cache.
+SwiGLU), modeling_qwen3_moe / modeling_qwen2_moe (sparse MLP blocks), modeling_olmoe (full-width q/k norm,
+clip_qkv) and modeling_granite (the four multipliers), with two serving changes: q/k/v and gate/up projections
+are fused into one matmul each, and the input is a flat token batch [T] with positions, whose attention goes
+through the paged KV cache.
 
 This file describes the network only: the layers (kvserve/layers) load their own weights, shards
 included, and multiply through a pluggable method; model_loader/weight_loader.py maps checkpoint names to them.
@@ -15,10 +19,13 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from kvserve.layers.linear_methods import LinearMethod
+from kvserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                   RowParallelLinear)
+from kvserve.layers.linear_methods import DenseMethod, LinearMethod
+from kvserve.layers.moe import FusedMoE
 from kvserve.layers.parallel import ShardContext
-from kvserve.model_loader.architectures import ArchFeatures
+from kvserve.model_loader.architectures import (ArchFeatures, moe_intermediate_size, moe_layer_indices,
+                                                num_experts)
 from kvserve.models.layer_ops import LayerOps
 
 
@@ -44,6 +51,12 @@ class RotaryEmbedding(nn.Module):
         inv_freq = hf_rope.inv_freq.float()                                   # [D/2]
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)                               # [P, D]
+        partial = (getattr(hf_config, "rope_parameters", None) or {}).get(
+            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+        if partial != 1.0 or emb.shape[-1] != hf_config.head_dim:
+            raise ValueError(f"RoPE over part of each head (partial_rotary_factor {partial}) is not supported yet")
+        if getattr(hf_rope, "rope_type", None) == "longrope":  # transformers switches factors by sequence length
+            raise ValueError("longrope RoPE scaling (Phi-3 long-context checkpoints) is not supported yet")
         self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
 
@@ -66,21 +79,27 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
-        self.scale = self.head_dim ** -0.5
+        self.scale = cfg.attention_multiplier if feats.multipliers else self.head_dim ** -0.5
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, method,
                                         shard.rank, shard.size, shard.all_reduce)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if feats.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if feats.qk_norm else None
+        # Qwen3: per head (width head_dim); OLMoE: over the whole projection (one rank holds all of it)
+        q_width, k_width = (self.q_size, self.kv_size) if feats.qk_norm_full_width else (self.head_dim,) * 2
+        has_norm = feats.qk_norm or feats.qk_norm_full_width
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if has_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if has_norm else None
+        self.clip_qkv = getattr(cfg, "clip_qkv", None) if feats.qk_norm_full_width else None
         self.backend = backend
 
     def forward(self, x, rope_cos_sin, kv_cache, attn_meta, ops: LayerOps) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)                                        # [T, q + 2 kv]
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm on q and k before RoPE
+        if self.q_norm is not None:  # RMSNorm on q and k before RoPE, per head of width q_norm's
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+            q = self.q_norm(q.reshape(t, -1, self.q_norm.weight.shape[0])).view(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.k_norm.weight.shape[0])).view(t, -1)
             qkv = torch.cat((q, k, v), dim=-1)
+            if self.clip_qkv is not None:
+                qkv = qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         # RoPE on the q and k heads together, in one call (they are adjacent in the fused projection)
         qkv = ops.rope_qk(qkv, *rope_cos_sin, self.num_heads + self.num_kv_heads, self.head_dim)
         # q [T, Hq, D], k and v [T, Hkv, D]: views split by heads (two calls where split + three views took four)
@@ -90,25 +109,53 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, method: LinearMethod, shard: ShardContext):
+    def __init__(self, hidden_size: int, intermediate_size: int, method: LinearMethod, shard: ShardContext):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, method,
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, method,
                                                        shard.rank, shard.size)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, method, shard.rank,
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, method, shard.rank,
                                            shard.size, shard.all_reduce)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
 
 
+class SparseMoeBlock(nn.Module):
+    """transformers' Qwen3MoeSparseMoeBlock (Qwen2MoeSparseMoeBlock with a shared expert): the router `gate`
+    (replicated, unquantized: its logits pick the experts) and the routed `experts`."""
+
+    def __init__(self, cfg, feats: ArchFeatures, method: LinearMethod, shard: ShardContext):
+        super().__init__()
+        experts = num_experts(cfg)
+        self.gate = ReplicatedLinear(cfg.hidden_size, experts, False, DenseMethod())
+        self.experts = FusedMoE(experts, cfg.num_experts_per_tok, cfg.hidden_size, moe_intermediate_size(cfg),
+                                bool(getattr(cfg, "norm_topk_prob", True)), shard.rank, shard.size, shard.all_reduce,
+                                expert_names=feats.expert_names, stacked_names=feats.stacked_expert_names)
+        # names in the checkpoint where they differ from ours (weight_loader.py)
+        self.checkpoint_name, self.gate.checkpoint_name = feats.moe_prefix, feats.router_name
+        self.shared_expert = None
+        if feats.shared_expert:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, method, shard)
+            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, DenseMethod())
+
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        out = self.experts.forward(x, self.gate.forward(x), ops.silu_and_mul)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate.forward(x)) * self.shared_expert.forward(x, ops)
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend, method: LinearMethod,
-                 shard: ShardContext):
+                 shard: ShardContext, sparse: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, feats, backend, method, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, method, shard)
+        self.mlp = (SparseMoeBlock(cfg, feats, method, shard) if sparse
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, method, shard))
+        # Granite: each sublayer's output is scaled before it joins the residual stream
+        self.residual_multiplier = cfg.residual_multiplier if feats.multipliers else None
 
     def forward(self, x, residual, rope_cos_sin, kv_cache, attn_meta, ops: LayerOps):
         """x: the previous sublayer's output (or the embeddings), residual: the stream before it (None in
@@ -117,9 +164,14 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         x = self.self_attn.forward(x, rope_cos_sin, kv_cache, attn_meta, ops)
+        if self.residual_multiplier is not None:
+            x = x * self.residual_multiplier
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return self.mlp.forward(x, ops), residual
+        x = self.mlp.forward(x, ops)
+        if self.residual_multiplier is not None:
+            x = x * self.residual_multiplier
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,10 +182,12 @@ class LlamaForCausalLM(nn.Module):
                  method: LinearMethod, shard: ShardContext = ShardContext(), head_method: LinearMethod | None = None):
         super().__init__()
         self.config = cfg
+        self.feats = feats
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard.rank, shard.size,
                                                    shard.all_reduce)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, feats, backend, method, shard)
-                                    for _ in range(cfg.num_hidden_layers))
+        sparse = moe_layer_indices(cfg, feats)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, feats, backend, method, shard, i in sparse)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
         tied = self.embed_tokens if getattr(cfg, "tie_word_embeddings", False) else None
@@ -142,10 +196,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, head_method or method, tied, shard.rank,
                                       shard.size, shard.all_gather)
         self.ops: LayerOps = LayerOps()  # the worker swaps in FusedLayerOps where they build
+        # Granite: embeddings multiplied, logits divided (None elsewhere: no extra op)
+        self.embedding_multiplier = cfg.embedding_multiplier if feats.multipliers else None
+        self.logits_scaling = cfg.logits_scaling if feats.multipliers else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                      # [T, hidden]
+        if self.embedding_multiplier is not None:
+            x = x * self.embedding_multiplier
         rope_cos_sin = self.rope(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -155,4 +214,5 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)                                           # [N, vocab] float32
+        logits = self.lm_head(hidden)                                         # [N, vocab] float32
+        return logits if self.logits_scaling is None else logits / self.logits_scaling

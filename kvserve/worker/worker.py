@@ -203,10 +203,11 @@ class Worker:
         return spec
 
     def _use_cuda_graphs(self) -> bool:
-        """CUDA, not --enforce-eager, a backend that can be captured, and no LoRA (its per-step slot map is
-        host-built, outside any graph)."""
+        """CUDA, not --enforce-eager, a backend that can be captured, no LoRA (its per-step slot map is
+        host-built, outside any graph) and no layer that reads its data on the host (MoE experts)."""
         return (self.device.type == "cuda" and not self.config.device.enforce_eager and self.lora is None
-                and getattr(self.backend, "supports_cuda_graphs", False))
+                and getattr(self.backend, "supports_cuda_graphs", False)
+                and all(getattr(m, "supports_cuda_graphs", True) for m in self.model.modules()))
 
     def _make_proposer(self, num_blocks: int) -> Proposer | None:
         spec = self.config.speculative

@@ -1,0 +1,160 @@
+"""Mixture-of-Experts: a router picks k of E expert MLPs per token; the experts are held stacked (vLLM's
+FusedMoE): `w13 [E, 2I, H]` (each expert's gate rows then up rows) and `w2 [E, H, I]`.
+
+Follows transformers' Qwen3MoeTopKRouter / Qwen3MoeExperts (softmax over the router logits in float32, top-k,
+optionally renormalised to sum to one; each expert is SiLU(x Wg^T) * (x Wu^T) then Wd). Two paths compute
+the experts, chosen by `impl` (default from envs.moe_impl()):
+- "reference": the oracle, transformers' loop: for each expert a mask over the batch, gather, two matmuls.
+- "sorted": the (token, choice) pairs sorted by expert once per layer, each active expert's run of rows
+  multiplied in place in one gathered buffer, weighted, then summed back per token with one index_add.
+
+Tensor parallelism splits every expert's intermediate dimension (as a column- then row-parallel MLP): rank r
+holds rows [r * I/tp, (r + 1) * I/tp) of each expert's gate and up, the same columns of its down, and the
+partial outputs are summed across ranks.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve import envs
+from kvserve.layers.linear import _copy
+
+
+def expert_params_mapping(num_experts: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                          stacked_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
+                          ) -> list[tuple[str, str, int | None, str]]:
+    """(our parameter, checkpoint name relative to the MoE block, expert id, shard id) for every tensor a
+    FusedMoE layer can be loaded from: one per expert and projection (`experts.{e}.gate_proj.weight`, ...),
+    and transformers' own stacked tensors (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`),
+    whose expert id is None. A checkpoint holds one form or the other. `names`: an expert's (gate, up, down)
+    projections as the checkpoint names them (Mixtral's: w1, w3, w2); `stacked_names`: the stacked tensors'
+    names (Granite-MoE's: input_linear.weight, output_linear.weight)."""
+    gate, up, down = names
+    mapping = []
+    for e in range(num_experts):
+        mapping += [("w13", f"experts.{e}.{gate}.weight", e, "w1"),
+                    ("w13", f"experts.{e}.{up}.weight", e, "w3"),
+                    ("w2", f"experts.{e}.{down}.weight", e, "w2")]
+    mapping += [("w13", stacked_names[0], None, "w13"), ("w2", stacked_names[1], None, "w2")]
+    return mapping
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64): softmax in float32, the
+    k largest, divided by their sum when `renormalize` (config `norm_topk_prob`; Mixtral always)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+SiluAndMul = Callable[[torch.Tensor], torch.Tensor]
+
+
+def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, silu_and_mul: SiluAndMul = _silu_and_mul) -> torch.Tensor:
+    """The oracle (transformers' expert loop). x [T, H], weights/ids [T, k] -> [T, H]."""
+    out = torch.zeros_like(x)
+    weights = weights.to(x.dtype)
+    for e in ids.unique().tolist():
+        token_idx, pos = torch.where(ids == e)
+        h = silu_and_mul(F.linear(x[token_idx], w13[e]))
+        out.index_add_(0, token_idx, F.linear(h, w2[e]) * weights[token_idx, pos, None])
+    return out
+
+
+def experts_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor, silu_and_mul: SiluAndMul = _silu_and_mul) -> torch.Tensor:
+    """Tokens sorted by expert once; one pass over the active experts. x [T, H], weights/ids [T, k] -> [T, H]."""
+    k = ids.shape[1]
+    flat_ids = ids.reshape(-1)                                                # [T k]
+    order = torch.argsort(flat_ids, stable=True)                              # (token, choice) pairs by expert
+    token_idx = order // k                                                    # [T k]
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()        # rows per expert, one sync
+    xs = x.index_select(0, token_idx)                                         # [T k, H]
+    out = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.mm(silu_and_mul(torch.mm(xs[start:start + n], w13[e].t())), w2[e].t(),
+                     out=out[start:start + n])
+            start += n
+    out.mul_(weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1))
+    return torch.zeros_like(x).index_add_(0, token_idx, out)
+
+
+_IMPLS = {"sorted": experts_sorted, "reference": experts_reference}
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one MoE layer: forward(x, router_logits) -> [T, H] (summed across ranks)."""
+
+    supports_cuda_graphs = False
+    """Both paths read which experts are active on the host (a sync per layer): not capturable in a graph."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 tp_rank: int = 0, tp_size: int = 1,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, impl: str | None = None,
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 stacked_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")):
+        super().__init__()
+        if intermediate_size % tp_size:
+            raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by "
+                             f"tensor_parallel_size {tp_size}")
+        impl = impl or envs.moe_impl()
+        if impl not in _IMPLS:
+            raise ValueError(f"MoE implementation must be one of {', '.join(_IMPLS)}, got {impl!r}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_size = intermediate_size // tp_size                  # this rank's
+        self.tp_rank, self.tp_size, self.reduce = tp_rank, tp_size, reduce
+        self.impl = impl
+        self.expert_names, self.stacked_names = expert_names, stacked_names
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size),
+                                requires_grad=False)                          # [E, 2I, H]
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size),
+                               requires_grad=False)                           # [E, H, I]
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
+                silu_and_mul: SiluAndMul = _silu_and_mul) -> torch.Tensor:
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        out = _IMPLS[self.impl](x, self.w13, self.w2, weights, ids, silu_and_mul)
+        return self.reduce(out) if self.reduce is not None else out
+
+    def expert_mapping(self) -> list[tuple[str, str, int | None, str]]:
+        """The checkpoint tensors this layer loads from (expert_params_mapping), names relative to its block."""
+        return expert_params_mapping(self.num_experts, self.expert_names, self.stacked_names)
+
+    def weight_loader(self, name: str, loaded: torch.Tensor, expert_id: int | None, shard_id: str) -> None:
+        """Copy this rank's part of checkpoint tensor `loaded` into parameter `name` ("w13" or "w2"): one
+        expert's gate ("w1"), up ("w3") or down ("w2") projection, or (expert_id None) every expert's at once."""
+        i, rank = self.intermediate_size, self.tp_rank
+        rows, cols = loaded.dim() - 2, loaded.dim() - 1  # NOTE: a lazy 2-D checkpoint slice takes no negative dims
+        dest = getattr(self, name).data
+        if expert_id is not None:
+            dest = dest[expert_id]
+        if shard_id in ("w1", "w3"):           # [I_full, H]: this rank's rows into the gate or up half
+            _copy(dest.narrow(-2, 0 if shard_id == "w1" else i, i), loaded.narrow(rows, rank * i, i))
+        elif shard_id == "w13":                # [E, 2 I_full, H]: gate rows then up rows
+            full = loaded.shape[rows] // 2
+            for half in range(2):
+                _copy(dest.narrow(-2, half * i, i), loaded.narrow(rows, half * full + rank * i, i))
+        elif shard_id == "w2":                 # [H, I_full]: this rank's columns
+            _copy(dest, loaded.narrow(cols, rank * i, i))
+        else:
+            raise ValueError(f"expert shard must be w1, w3, w13 or w2, got {shard_id!r}")
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, intermediate={self.intermediate_size}, "
+                f"renormalize={self.renormalize}, impl={self.impl}, tp={self.tp_rank}/{self.tp_size}")
+
