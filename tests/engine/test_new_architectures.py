@@ -16,80 +16,18 @@ import re
 
 import pytest
 import torch
-from conftest import run_last_after_prefix, run_to_completion
-from golden_helpers import hf_greedy
-from test_model_equivalence import _mixed_batch, hf_logits, paged_logits
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.layers.moe import select_experts
 from kvserve.model_loader.weight_loader import expected_tensors
 from kvserve.sampling_params import SamplingParams
+from tests.helpers.architectures import make_checkpoint, tiny_config
+from tests.helpers.engine import run_last_after_prefix, run_to_completion
+from tests.helpers.oracles import hf_greedy, hf_logits, mixed_batch, paged_logits
 
 MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granitemoe")
 NEW_ARCHS = MOE_ARCHS + ("phi3", "granite")
-
-
-def tiny_config(arch: str):
-    import transformers as tf
-
-    common = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                  rms_norm_eps=1e-5)
-    moe = dict(num_experts_per_tok=2, intermediate_size=96)
-    if arch == "qwen3_moe":  # layer 1 dense (mlp_only_layers), per-head q/k norm, renormalised top-k
-        return tf.Qwen3MoeConfig(**common, **moe, num_hidden_layers=3, head_dim=32, num_experts=8,
-                                 moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)
-    if arch == "mixtral":    # every layer sparse, experts named w1/w3/w2 under block_sparse_moe
-        return tf.MixtralConfig(**common, num_experts_per_tok=2, intermediate_size=48, num_hidden_layers=2,
-                                num_local_experts=8, sliding_window=None)
-    if arch == "qwen2_moe":  # layers 1 and 3 sparse (decoder_sparse_step 2), a gated shared expert, qkv bias
-        return tf.Qwen2MoeConfig(**common, **moe, num_hidden_layers=4, num_experts=8, moe_intermediate_size=32,
-                                 shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=False)
-    if arch == "olmoe":      # q/k norm over the whole projection, clip_qkv, top-k not renormalised
-        return tf.OlmoeConfig(**common, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
-                              num_experts=8, clip_qkv=1.5, norm_topk_prob=False)
-    if arch == "granitemoe":  # the four multipliers; experts stored stacked (input_linear / output_linear)
-        return tf.GraniteMoeConfig(**common, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
-                                   num_local_experts=8, embedding_multiplier=6.0, attention_multiplier=0.2,
-                                   residual_multiplier=0.4, logits_scaling=3.0)
-    if arch == "phi3":       # qkv_proj and gate_up_proj fused in the checkpoint
-        return tf.Phi3Config(**common, intermediate_size=128, num_hidden_layers=2, pad_token_id=0)
-    if arch == "granite":    # the four multipliers
-        return tf.GraniteConfig(**common, intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
-                                attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
-    raise ValueError(arch)
-
-
-def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool = False):
-    """Write a tiny random checkpoint + the SmolLM2 tokenizer to `path`; returns transformers' model (eager
-    attention and experts), the oracle. stacked_experts: the experts saved as transformers holds them
-    (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) rather than one tensor per expert."""
-    import transformers as tf
-    from safetensors.torch import save_file
-
-    from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_tokenizer
-
-    torch.manual_seed(seed)
-    cfg = tiny_config(arch)
-    cfg._attn_implementation = "eager"
-    cfg._experts_implementation = "eager"
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # far from ties; 1-D weights (norms around 1, biases around 0) randomised too
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-            else:
-                p.uniform_(0.6, 1.4)
-    model.save_pretrained(path)
-    if stacked_experts:
-        os.remove(os.path.join(path, "model.safetensors"))
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-                  os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    load_gguf_tokenizer(builtin_model_path()).save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module", params=NEW_ARCHS)
@@ -152,7 +90,7 @@ def _chosen_experts(engine: Engine, hf, tokens: list[int]) -> tuple[list[torch.T
 def test_logits_and_chosen_experts_match_transformers(checkpoint):
     arch, path, hf = checkpoint
     engine = _engine(path)
-    batch = _mixed_batch(seed=sum(map(ord, arch)))
+    batch = mixed_batch(seed=sum(map(ord, arch)))
     ours, theirs = _chosen_experts(engine, hf, batch[0][0])
     assert len(ours) == len(theirs) and bool(ours) == (arch in MOE_ARCHS)
     for got, want in zip(ours, theirs):
@@ -210,7 +148,7 @@ def test_stacked_expert_tensors_load_as_per_expert_ones(tmp_path):
     hf = make_checkpoint(str(tmp_path), "qwen3_moe", seed=3, stacked_experts=True)
     assert "model.layers.0.mlp.experts.gate_up_proj" in _checkpoint_names(str(tmp_path))
     engine = _engine(str(tmp_path))
-    batch = _mixed_batch(seed=11)[:3]
+    batch = mixed_batch(seed=11)[:3]
     for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
         torch.testing.assert_close(got, hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q], atol=1e-4, rtol=1e-4)
 
@@ -253,29 +191,6 @@ def test_kv_calc_sizes_the_new_architectures(checkpoint, capsys):
     cfg = hf.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     assert report["kv_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
-
-
-@pytest.mark.parametrize("arch", ["qwen2_moe", "phi3"])
-def test_tensor_parallel_two_ranks_match_transformers(tmp_path, arch):
-    """TP=2 (gloo): experts split over their intermediate dimension, the shared expert as a dense MLP (Qwen2-MoE);
-    the checkpoint's fused qkv_proj / gate_up_proj cut into each rank's heads and rows (Phi-3)."""
-    from kvserve.engine.llm import LLM
-
-    hf = make_checkpoint(str(tmp_path), arch, seed=5)
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, num_gpu_blocks_override=64, max_num_batched_tokens=16,
-              num_threads=1)
-    try:
-        g = torch.Generator().manual_seed(2)
-        prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (29, 5)]
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            llm.engine.add_request(str(i), prompt, params)
-        done = run_to_completion(llm.engine)
-    finally:
-        llm.shutdown()
-    for i, prompt in enumerate(prompts):
-        assert done[str(i)].outputs[0].token_ids == hf_greedy(hf, prompt, 6)[0], f"request {i}"
-
 
 
 @pytest.mark.parametrize(("rope", "message"), [

@@ -1,0 +1,69 @@
+"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite), built
+with transformers' own config classes: every weight randomised, 1-D ones included."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def tiny_config(arch: str):
+    import transformers as tf
+
+    common = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  rms_norm_eps=1e-5)
+    moe = dict(num_experts_per_tok=2, intermediate_size=96)
+    if arch == "qwen3_moe":  # layer 1 dense (mlp_only_layers), per-head q/k norm, renormalised top-k
+        return tf.Qwen3MoeConfig(**common, **moe, num_hidden_layers=3, head_dim=32, num_experts=8,
+                                 moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)
+    if arch == "mixtral":    # every layer sparse, experts named w1/w3/w2 under block_sparse_moe
+        return tf.MixtralConfig(**common, num_experts_per_tok=2, intermediate_size=48, num_hidden_layers=2,
+                                num_local_experts=8, sliding_window=None)
+    if arch == "qwen2_moe":  # layers 1 and 3 sparse (decoder_sparse_step 2), a gated shared expert, qkv bias
+        return tf.Qwen2MoeConfig(**common, **moe, num_hidden_layers=4, num_experts=8, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=False)
+    if arch == "olmoe":      # q/k norm over the whole projection, clip_qkv, top-k not renormalised
+        return tf.OlmoeConfig(**common, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
+                              num_experts=8, clip_qkv=1.5, norm_topk_prob=False)
+    if arch == "granitemoe":  # the four multipliers; experts stored stacked (input_linear / output_linear)
+        return tf.GraniteMoeConfig(**common, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
+                                   num_local_experts=8, embedding_multiplier=6.0, attention_multiplier=0.2,
+                                   residual_multiplier=0.4, logits_scaling=3.0)
+    if arch == "phi3":       # qkv_proj and gate_up_proj fused in the checkpoint
+        return tf.Phi3Config(**common, intermediate_size=128, num_hidden_layers=2, pad_token_id=0)
+    if arch == "granite":    # the four multipliers
+        return tf.GraniteConfig(**common, intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
+                                attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
+    raise ValueError(arch)
+
+
+def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool = False):
+    """Write a tiny random checkpoint + the SmolLM2 tokenizer to `path`; returns transformers' model (eager
+    attention and experts), the oracle. stacked_experts: the experts saved as transformers holds them
+    (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) rather than one tensor per expert."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_tokenizer
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # far from ties; 1-D weights (norms around 1, biases around 0) randomised too
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            else:
+                p.uniform_(0.6, 1.4)
+    model.save_pretrained(path)
+    if stacked_experts:
+        os.remove(os.path.join(path, "model.safetensors"))
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    load_gguf_tokenizer(builtin_model_path()).save_pretrained(path)
+    return model
