@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve import envs
+import kvserve.envs as envs
 from kvserve.layers.linear import _copy
 
 
