@@ -201,11 +201,11 @@ def test_rope_variants_not_built_yet_are_refused(tmp_path, rope, message):
     """Phi-3 checkpoints whose RoPE we would compute differently from transformers fail at load, by name."""
     import transformers as tf
 
-    from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_tokenizer
+    from tests.helpers.checkpoints import builtin_tokenizer
 
     cfg = tf.Phi3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **rope)
     tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
-    load_gguf_tokenizer(builtin_model_path()).save_pretrained(str(tmp_path))
+    builtin_tokenizer().save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match=message):
         _engine(str(tmp_path))

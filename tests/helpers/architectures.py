@@ -45,7 +45,7 @@ def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool =
     import transformers as tf
     from safetensors.torch import save_file
 
-    from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_tokenizer
+    from tests.helpers.checkpoints import builtin_tokenizer
 
     torch.manual_seed(seed)
     cfg = tiny_config(arch)
@@ -65,5 +65,5 @@ def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool =
         os.remove(os.path.join(path, "model.safetensors"))
         save_file({k: v.contiguous() for k, v in model.state_dict().items()},
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    load_gguf_tokenizer(builtin_model_path()).save_pretrained(path)
+    builtin_tokenizer().save_pretrained(path)
     return model
