@@ -29,9 +29,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "engine", "server", "e2e")
 
-# Fixtures defined beside their helpers: the in-process and subprocess servers and OpenAI's schemas
-# (tests/helpers/server.py), and the tiny-model `kvserve serve` of the bench tests (tests/helpers/bench.py).
-pytest_plugins = ["tests.helpers.server", "tests.helpers.bench"]
+# Fixtures defined beside their helpers: OpenAI's schemas (`check_schema`, tests/helpers/openai_schemas.py)
+# and the tiny-model `kvserve serve` of the bench tests (tests/helpers/bench.py).
+pytest_plugins = ["tests.helpers.openai_schemas", "tests.helpers.bench"]
 
 
 def pytest_addoption(parser):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from tests.helpers.server import OpenAISchemas, in_process, sse_events
+from tests.helpers.openai_schemas import OpenAISchemas
+from tests.helpers.server import in_process, sse_events
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
