@@ -393,11 +393,9 @@ def format_report(report: dict, requests: dict[str, list[WorkloadRequest]]) -> s
     lines = [f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; every engine: "
              f"{s['threads']} threads, fp32 unless the row says otherwise, greedy, {s['max_num_batched_tokens']} tokens/step, "
              f"{s['kv_cache_gib']} GiB KV cache"]
-    # NOTE: the name column fits the longest engine name (variants such as kvserve-baseline are 16 long).
-    w = max([13] + [len(n) + 2 for n in report["engines"]])
     for name, e in report["engines"].items():
-        lines.append(f"  {name:<{w}}{e['version']}: {e['notes']}")
-    header = (f"{'engine':<{w}}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>10}{'TTFT p99':>10}"
+        lines.append(f"  {name:<13}{e['version']}: {e['notes']}")
+    header = (f"{'engine':<13}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>10}{'TTFT p99':>10}"
               f"{'ITL p50':>9}{'ITL p99':>9}{'kvserve x':>10}{'same text':>10}")
     for wname, rows in report["workloads"].items():
         reqs = requests[wname]
@@ -409,29 +407,29 @@ def format_report(report: dict, requests: dict[str, list[WorkloadRequest]]) -> s
         kv = kv_row.get("total_token_throughput") if kv_row.get("completed") else None
         for name, row in rows.items():
             if "error" in row:
-                lines.append(f"{name:<{w}}FAILED: {row['error'][:300]}")
+                lines.append(f"{name:<13}FAILED: {row['error'][:300]}")
                 continue
             mine = row["total_token_throughput"] if row.get("completed") else None
             ratio = f"{kv / mine:.2f}" if kv and mine and name != "kvserve" else "-"
             same = f"{row['same_text']}/{row['completed']}" if "same_text" in row and name != "kvserve" else "-"
-            lines.append(f"{name:<{w}}{row['output_throughput']:>10.1f}{row['total_token_throughput']:>12.1f}"
+            lines.append(f"{name:<13}{row['output_throughput']:>10.1f}{row['total_token_throughput']:>12.1f}"
                          f"{row['ttft']['median_ms']:>10.0f}{row['ttft']['p99_ms']:>10.0f}"
                          f"{row['itl']['median_ms']:>9.0f}{row['itl']['p99_ms']:>9.0f}{ratio:>10}{same:>10}")
             if row["failed"]:
-                lines.append(f"{'':<{w}}{row['failed']} requests failed: {row['errors'][:1]}")
+                lines.append(f"{'':<13}{row['failed']} requests failed: {row['errors'][:1]}")
         if len(reqs) == 1:
             lines.append("single-stream decode tok/s (1000 / mean time per output token after the first):")
-            lines += [f"  {n:<{w + 2}}{decode_tok_s(r):>8.1f}" for n, r in rows.items() if decode_tok_s(r)]
+            lines += [f"  {n:<15}{decode_tok_s(r):>8.1f}" for n, r in rows.items() if decode_tok_s(r)]
         repeated = [(n, r["repeats"]) for n, r in rows.items() if "repeats" in r]
         if repeated:
             what = "single-stream decode tok/s" if len(reqs) == 1 else "total tok/s"
             lines.append(f"each run, in order ({what}; the median run is reported):")
-            lines += [f"  {n:<{w + 2}}" + " / ".join("failed" if v is None else f"{v:.1f}" for v in vs)
+            lines += [f"  {n:<15}" + " / ".join("failed" if v is None else f"{v:.1f}" for v in vs)
                       for n, vs in repeated]
         firsts = [(n, r["itl_first_arrivals"]) for n, r in rows.items() if "itl_first_arrivals" in r]
         if firsts:
             lines.append("requests there from t=0 (while the late prompts prefill): ITL p50 / p99 (p99/p50)")
-            lines += [f"  {n:<{w - 2}}{x['median_ms']:>8.0f}{x['p99_ms']:>8.0f}  ({x['p99_ms'] / x['median_ms']:.1f}x)"
+            lines += [f"  {n:<11}{x['median_ms']:>8.0f}{x['p99_ms']:>8.0f}  ({x['p99_ms'] / x['median_ms']:.1f}x)"
                       for n, x in firsts if x["median_ms"]]
     if report.get("roofline"):
         r = report["roofline"]
