@@ -207,6 +207,7 @@ def smollm2_client(smollm2_path):
         yield srv.openai(timeout=300)
 
 
+@pytest.mark.slow  # NOTE: the real SmolLM2 behind the server, ~15 s: in `make test`, not `make test-fast`
 def test_smollm2_weather_question_with_a_weather_tool(smollm2_client, check_schema):
     messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
     params = dict(model=smollm2_client.models.list().data[0].id, messages=messages, tools=[GET_WEATHER],
