@@ -40,6 +40,11 @@ class AttentionBackend(Protocol):
     Contract: `forward` first writes k/v of every query token at `slot_mapping`, then computes causal
     attention of each query token over its request's positions [0, its position], reading K/V through
     the block table. GQA: num_heads is a multiple of num_kv_heads.
+
+    A layer with a `sliding_window` W attends only to the last W positions (p - W, p], as transformers'
+    sliding_window_overlay does; blocks wholly before every window of a request may have been freed, so a
+    windowed read must not touch them. `logits_soft_cap` c (Gemma 2): scores become c * tanh(scores / c)
+    after scaling, before the mask and softmax.
     """
 
     name: str
@@ -58,7 +63,8 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
-                meta: Any, scale: float) -> torch.Tensor:
+                meta: Any, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into kv_cache (rotated and quantized when it is
         a QuantizedKVCache, whose reads dequantize: kv_cache/quant.py, kv_cache/rotation.py)."""
         ...

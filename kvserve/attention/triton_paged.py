@@ -113,7 +113,12 @@ class TritonPagedBackend:
                               common.block_size, nd, tile_req, tile_q0, block_q)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
-                meta: TritonMetadata, scale: float) -> torch.Tensor:
+                meta: TritonMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        # NOTE: sliding windows are not in this kernel yet; config/model.py caps max_model_len at the window
+        if logits_soft_cap is not None:
+            raise NotImplementedError(f"{self.name}: logit soft-capping is not in this kernel yet; use "
+                                      "--attention-backend torch_ref")
         if isinstance(kv_cache, QuantizedKVCache):
             raise ValueError("triton_paged reads an unquantized KV cache only (use torch_ref for int8/fp8)")
         kern = self.kernels

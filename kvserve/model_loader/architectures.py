@@ -81,3 +81,17 @@ def moe_layer_indices(hf_config, feats: ArchFeatures) -> set[int]:
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     step = int(getattr(hf_config, "decoder_sparse_step", None) or 1)
     return {i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0}
+
+
+def layer_sliding_windows(hf_config) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), as transformers decides: a config with
+    `layer_types` windows its "sliding_attention" layers (Gemma 2/3, Qwen2/3 with use_sliding_window); one
+    without (Mistral, Mixtral) windows every layer when `sliding_window` is set."""
+    n = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return [None] * n
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        return [int(window) if t == "sliding_attention" else None for t in types]
+    return [int(window)] * n

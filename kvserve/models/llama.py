@@ -24,8 +24,8 @@ from kvserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear
 from kvserve.layers.linear_methods import DenseMethod, LinearMethod
 from kvserve.layers.moe import FusedMoE
 from kvserve.layers.parallel import ShardContext
-from kvserve.model_loader.architectures import (ArchFeatures, moe_intermediate_size, moe_layer_indices,
-                                                num_experts)
+from kvserve.model_loader.architectures import (ArchFeatures, layer_sliding_windows, moe_intermediate_size,
+                                                moe_layer_indices, num_experts)
 from kvserve.models.layer_ops import LayerOps
 
 
@@ -69,8 +69,9 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend, method: LinearMethod,
-                 shard: ShardContext):
+                 shard: ShardContext, sliding_window: int | None = None):
         super().__init__()
+        self.sliding_window = sliding_window
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, feats.qkv_bias, method, shard.rank, shard.size)
         self.num_heads = self.qkv_proj.num_heads        # this rank's
@@ -104,7 +105,8 @@ class Attention(nn.Module):
         qkv = ops.rope_qk(qkv, *rope_cos_sin, self.num_heads + self.num_kv_heads, self.head_dim)
         # q [T, Hq, D], k and v [T, Hkv, D]: views split by heads (two calls where split + three views took four)
         q, k, v = qkv.view(t, -1, self.head_dim).split_with_sizes(self.head_split, dim=1)
-        o = self.backend.forward(q, k, v, kv_cache, attn_meta, self.scale)    # [T, Hq, D]
+        o = self.backend.forward(q, k, v, kv_cache, attn_meta, self.scale,   # [T, Hq, D]
+                                 sliding_window=self.sliding_window)
         return self.o_proj.forward(o.reshape(t, self.q_size))
 
 
@@ -147,10 +149,10 @@ class SparseMoeBlock(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend, method: LinearMethod,
-                 shard: ShardContext, sparse: bool = False):
+                 shard: ShardContext, sparse: bool = False, sliding_window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, feats, backend, method, shard)
+        self.self_attn = Attention(cfg, feats, backend, method, shard, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (SparseMoeBlock(cfg, feats, method, shard) if sparse
                     else MLP(cfg.hidden_size, cfg.intermediate_size, method, shard))
@@ -186,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard.rank, shard.size,
                                                    shard.all_reduce)
         sparse = moe_layer_indices(cfg, feats)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, feats, backend, method, shard, i in sparse)
+        windows = layer_sliding_windows(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, feats, backend, method, shard, i in sparse, windows[i])
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
