@@ -115,10 +115,10 @@ class TritonPagedBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: TritonMetadata, scale: float, *, sliding_window: int | None = None,
                 logits_soft_cap: float | None = None) -> torch.Tensor:
-        # NOTE: sliding windows are not in this kernel yet; config/model.py caps max_model_len at the window
-        if logits_soft_cap is not None:
-            raise NotImplementedError(f"{self.name}: logit soft-capping is not in this kernel yet; use "
-                                      "--attention-backend torch_ref")
+        # TODO(sliding windows): in the kernel; until then a sequence longer than its window is refused here
+        if logits_soft_cap is not None or (sliding_window is not None and int(meta.seq_lens.max()) > sliding_window):
+            raise NotImplementedError(f"{self.name}: sliding-window attention past the window and logit "
+                                      "soft-capping are not in this kernel yet; use --attention-backend torch_ref")
         if isinstance(kv_cache, QuantizedKVCache):
             raise ValueError("triton_paged reads an unquantized KV cache only (use torch_ref for int8/fp8)")
         kern = self.kernels

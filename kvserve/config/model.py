@@ -82,10 +82,6 @@ def resolve_dtype(name: str, device: torch.device, stored: torch.dtype | None = 
 
 def resolve_max_model_len(hf_config, requested: int | None) -> int:
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        # NOTE: sliding-window attention is not implemented; within the window it equals full attention.
-        limit = min(limit, int(window))
     if requested is None:
         return limit
     if requested > limit:
