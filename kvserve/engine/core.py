@@ -15,8 +15,8 @@ from kvserve.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
-from kvserve.kv_cache.window import window_blocks_bound
 from kvserve.kv_cache.quant import dtype_name
+from kvserve.kv_cache.window import window_blocks_bound
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.step_cost import OnlineStepCost
@@ -55,8 +55,8 @@ class EngineCore:
         num_blocks = self.executor.determine_num_blocks()
         self.kv_spec: KVCacheSpec = self.executor.init_kv_cache(num_blocks)
         window = config.kv_release_window
-        # NOTE: with a window, the cache's last block is the manager's null block (released table entries).
-        num_blocks -= window is not None
+        if window is not None:
+            num_blocks -= 1  # the cache's last block is the manager's null block (released table entries)
         self.block_pool = BlockPool(num_blocks)
         cache = config.cache
         kv = KVCacheManager(self.block_pool, cache.block_size, cache.enable_prefix_caching,

@@ -84,10 +84,10 @@ class KVCacheManager:
 
     def _window_hit(self, keys: list[Hashable]) -> list[KVBlock]:
         """The longest hit a windowed model can take: null blocks, then the cached blocks its next query reads."""
-        found = [self.pool.lookup(key) for key in keys]
-        num_hit = longest_window_hit(found, self.sliding_window, self.block_size)
+        num_hit = longest_window_hit(lambda i: self.pool.lookup(keys[i]), len(keys), self.sliding_window,
+                                     self.block_size)
         live = first_live_block(num_hit * self.block_size, self.sliding_window, self.block_size)
-        return [self.null_block] * live + found[live:num_hit]
+        return [self.null_block] * live + [self.pool.lookup(key) for key in keys[live:num_hit]]
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
@@ -150,10 +150,17 @@ class KVCacheManager:
 
     def pin_prefix(self, request: Request, num_tokens: int, ttl: float) -> int:
         """Pin the request's cached full blocks covering its first num_tokens tokens for ttl seconds.
-        Returns the number of tokens pinned (fewer when the pin bound is reached)."""
+        Returns the number of tokens pinned (fewer when the pin bound is reached). With a window: the blocks
+        still held (the earlier ones were released), and the tokens a later hit can take through them."""
         table = self._tables.get(request.request_id, [])
         blocks = [b for b in table[:num_tokens // self.block_size] if b.block_hash is not None]
-        return self.pins.pin(blocks, ttl) * self.block_size
+        pinned = self.pins.pin(blocks, ttl)
+        if self.sliding_window is None:
+            return pinned * self.block_size
+        held = set(map(id, blocks[:pinned]))
+        prefix = table[:num_tokens // self.block_size]
+        return longest_window_hit(lambda i: prefix[i] if id(prefix[i]) in held else None, len(prefix),
+                                  self.sliding_window, self.block_size) * self.block_size
 
     def explain(self, token_ids: list[int], cache_salt: str | None = None, lora_int_id: int = 0) -> PrefixExplanation:
         """Longest cached prefix of token_ids (as the base model, or adapter lora_int_id, would look it up), and

@@ -10,7 +10,7 @@ cached, not the whole prefix.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
 
 def first_live_block(num_computed_tokens: int, window: int, block_size: int) -> int:
@@ -19,14 +19,14 @@ def first_live_block(num_computed_tokens: int, window: int, block_size: int) -> 
     return max(0, num_computed_tokens - window + 1) // block_size
 
 
-def longest_window_hit(found: Sequence[object | None], window: int, block_size: int) -> int:
-    """The most leading blocks h of a sequence a windowed model can take from the cache, given `found[i]`, the
-    cached block holding the sequence's block i (None: not cached). The hit needs blocks
+def longest_window_hit(lookup: Callable[[int], object | None], num_blocks: int, window: int, block_size: int) -> int:
+    """The most leading blocks h (<= num_blocks) of a sequence a windowed model can take from the cache, given
+    `lookup(i)`, the cached block holding the sequence's block i (None: not cached). The hit needs blocks
     first_live_block(h * block_size) .. h - 1 cached; earlier ones may have been evicted. Scans from the right:
     the first run of cached blocks long enough for its own end is the longest hit."""
     run = 0
-    for i in range(len(found) - 1, -1, -1):
-        if found[i] is None:
+    for i in range(num_blocks - 1, -1, -1):
+        if lookup(i) is None:
             run = 0
             continue
         run += 1

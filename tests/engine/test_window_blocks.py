@@ -29,7 +29,7 @@ def mistral(tmp_path_factory):
 
 
 def _engine(path: str, backend: str, num_blocks: int = 64, **kwargs) -> Engine:
-    kwargs = dict(dict(speculative_config=None), **kwargs)
+    kwargs = {"speculative_config": None, **kwargs}
     return Engine(EngineArgs(model=path, attention_backend=backend, block_size=BS, num_gpu_blocks_override=num_blocks,
                              max_num_batched_tokens=BUDGET, **kwargs))
 
@@ -119,3 +119,26 @@ def test_speculative_rollbacks(mistral, attention):
     assert_matches_hf(None, reqs, hf, engine=engine, after_step=Bounded(engine))
     stats = engine.scheduler.stats
     assert stats.num_spec_drafts > 0 and stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
+
+
+@pytest.mark.parametrize("attention", BACKENDS)
+def test_prompt_logprobs_are_recomputed_through_the_window(mistral, attention):
+    """A request that needs prompt logprobs computes its whole prompt (no hit, though its prompt is cached),
+    releasing blocks as it goes; each prompt token's logprob equals transformers'."""
+    path, hf = mistral
+    prompt = _prompt(30, 41)
+    engine = _engine(path, attention, num_blocks=13)
+    bounded = Bounded(engine)
+    engine.add_request("warm", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    step_until_idle(engine, after_step=bounded)
+    engine.add_request("logprobs", prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                          prompt_logprobs=0))
+    out = run_to_completion(engine, after_step=bounded)["logprobs"]
+    assert out.num_cached_tokens == 0
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    for i in range(1, len(prompt)):
+        assert abs(entries[i][prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-4, i
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 5)[0]

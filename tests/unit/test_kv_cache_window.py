@@ -42,17 +42,21 @@ def test_first_live_block_is_the_first_block_the_window_reads():
     assert first_live_block(100, 1, BS) == 25
 
 
+def _window_hit(found: list) -> int:
+    return longest_window_hit(found.__getitem__, len(found), W, BS)
+
+
 def test_longest_window_hit_needs_only_the_blocks_before_its_end():
     hit = object()
     # Blocks 0-1 evicted, 2-5 cached: h = 6 needs blocks first_live(24) = 4 .. 5.
-    assert longest_window_hit([None, None, hit, hit, hit, hit], W, BS) == 6
+    assert _window_hit([None, None, hit, hit, hit, hit]) == 6
     # Block 4 missing: h = 6 fails; h = 4 needs blocks 2..3 (cached).
-    assert longest_window_hit([None, None, hit, hit, None, hit], W, BS) == 4
+    assert _window_hit([None, None, hit, hit, None, hit]) == 4
     # One cached block is too few for any end past the first window.
-    assert longest_window_hit([None, hit, None, hit], W, BS) == 0
+    assert _window_hit([None, hit, None, hit]) == 0
     # A run from block 0 is a hit whatever its length.
-    assert longest_window_hit([hit, None, None], W, BS) == 1
-    assert longest_window_hit([], W, BS) == 0
+    assert _window_hit([hit, None, None]) == 1
+    assert _window_hit([]) == 0
 
 
 def test_running_request_holds_a_bounded_number_of_blocks():
@@ -203,11 +207,31 @@ def test_pin_prefix_pins_only_blocks_still_held():
     req = _req("a", list(range(40)))
     _run_prompt(kv, req, 4)
     pinned = kv.pin_prefix(req, 40, ttl=60.0)
-    # The last step (from 36) read from 29 (block 7) on: blocks 0-6 were released, 7-9 are pinned.
-    assert pinned == 3 * BS
+    # The last step (from 36) read from 29 (block 7) on: blocks 0-6 were released, 7-9 are pinned, and a hit
+    # on the 40 tokens needs 8-9 (position 40 reads 33..).
+    assert pinned == 40 and kv.pins.num_pinned == 3
     kv.free(req)
     kv.check_invariants({})
     assert kv.num_request_blocks == 0 and kv.pins.num_pinned == 3
+    again = _req("again", list(range(40)) + [1])
+    hits = kv.get_computed_blocks(again)
+    assert len(hits) == 10 and all(kv.pins.is_pinned(b) for b in hits[8:])
+
+
+def test_pin_bound_reports_the_tokens_its_blocks_keep():
+    kv = _manager(max_pinned_blocks=2)
+    req = _req("a", list(range(40)))
+    _run_prompt(kv, req, 4)
+    # Blocks 7 and 8 pinned: a hit of 36 tokens needs blocks 7-8 (position 36 reads 29..).
+    assert kv.pin_prefix(req, 40, ttl=60.0) == 36
+    kv.check_invariants({"a": req})
+
+
+def test_salts_keep_windowed_hits_apart():
+    kv = _manager()
+    _finish_cached_prompt(kv, list(range(40)))
+    assert len(kv.get_computed_blocks(_req("plain", list(range(41))))) == 10
+    assert kv.get_computed_blocks(_req("salted", list(range(41)), cache_salt="s")) == []
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 9])
@@ -224,3 +248,20 @@ def test_every_chunking_keeps_invariants_and_frees_all(chunk):
     assert kv.pool.counts()["in_use"] == 0
     kv.reset_prefix_cache()
     assert kv.pool.counts()["free"] == 10
+
+
+def test_admission_counts_a_windowed_request_by_its_bound():
+    from kvserve.engine.core import EngineInfo
+    from kvserve.engine.processor import Processor
+    from kvserve.kv_cache.window import window_blocks_bound
+
+    # W 8, steps of up to 8 tokens from p0: positions p0 - 7 .. p0 + 7, 15 of them: 5 blocks of 4 at most.
+    assert window_blocks_bound(8, BS, 8) == 5 and window_blocks_bound(None, BS, 8) is None
+    info = dict(max_model_len=512, vocab_size=16, max_num_seqs=4, num_kv_blocks=6, block_size=BS, max_logprobs=5,
+                enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=100)
+    Processor(None, EngineInfo("m", **info, max_blocks_per_request=5), ()).validate([1] * 200, params)
+    with pytest.raises(ValueError, match="needs 75 KV blocks"):
+        Processor(None, EngineInfo("m", **info), ()).validate([1] * 200, params)
+    with pytest.raises(ValueError, match="needs 7 KV blocks"):
+        Processor(None, EngineInfo("m", **info, max_blocks_per_request=7), ()).validate([1] * 200, params)
