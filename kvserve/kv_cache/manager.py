@@ -157,9 +157,9 @@ class KVCacheManager:
         pinned = self.pins.pin(blocks, ttl)
         if self.sliding_window is None:
             return pinned * self.block_size
-        held = set(map(id, blocks[:pinned]))
+        held = set(blocks[:pinned])
         prefix = table[:num_tokens // self.block_size]
-        return longest_window_hit(lambda i: prefix[i] if id(prefix[i]) in held else None, len(prefix),
+        return longest_window_hit(lambda i: prefix[i] if prefix[i] in held else None, len(prefix),
                                   self.sliding_window, self.block_size) * self.block_size
 
     def explain(self, token_ids: list[int], cache_salt: str | None = None, lora_int_id: int = 0) -> PrefixExplanation:

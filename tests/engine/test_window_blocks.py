@@ -89,6 +89,9 @@ def test_prefix_hit_after_the_prefix_start_was_evicted(mistral, attention):
     engine.add_request("first", first, greedy)
     done = step_until_idle(engine, after_step=bounded)
     kv = engine.scheduler.kv
+    # The null block is the cache's last block, past the pool's 12.
+    assert kv.null_block.block_id == engine.block_pool.num_blocks == 12
+    assert engine.core.executor.worker.runner.kv_caches[0].shape[0] == 13
     # The shared prefix's first block is gone, the blocks its end's window reads are not.
     assert kv.explain(shared[:BS + 1]).num_hit_tokens == 0
     assert kv.explain(shared + [9]).num_hit_tokens == 44
