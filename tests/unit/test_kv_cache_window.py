@@ -265,3 +265,25 @@ def test_admission_counts_a_windowed_request_by_its_bound():
         Processor(None, EngineInfo("m", **info), ()).validate([1] * 200, params)
     with pytest.raises(ValueError, match="needs 7 KV blocks"):
         Processor(None, EngineInfo("m", **info, max_blocks_per_request=7), ()).validate([1] * 200, params)
+
+
+def test_blocks_are_released_only_when_every_layer_is_windowed():
+    from types import SimpleNamespace
+
+    import transformers as tf
+
+    from kvserve.config.engine import EngineConfig
+    from kvserve.model_loader.architectures import block_release_window
+
+    small = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    mistral = tf.MistralConfig(**small, sliding_window=10)
+    assert block_release_window(mistral) == 10
+    assert block_release_window(tf.MistralConfig(**small, sliding_window=None)) is None
+    # max_window_layers 1: layer 0 attends to everything, so it reads every block.
+    assert block_release_window(tf.Qwen2Config(**small, use_sliding_window=True, sliding_window=10,
+                                               max_window_layers=1)) is None
+    assert block_release_window(tf.Qwen2Config(**small, use_sliding_window=False, sliding_window=10)) is None
+    # A draft model reads the target's blocks from where it last stopped: nothing is released.
+    window = EngineConfig.kv_release_window.fget
+    assert window(SimpleNamespace(model=SimpleNamespace(hf_config=mistral), draft_model=None)) == 10
+    assert window(SimpleNamespace(model=SimpleNamespace(hf_config=mistral), draft_model=object())) is None
