@@ -95,3 +95,13 @@ def layer_sliding_windows(hf_config) -> list[int | None]:
     if types:
         return [int(window) if t == "sliding_attention" else None for t in types]
     return [int(window)] * n
+
+
+def block_release_window(hf_config) -> int | None:
+    """The window past which a request's KV blocks may be released while it runs (kv_cache/window.py): the
+    widest window when every layer has one; None when some layer attends to the whole sequence (it reads every
+    block)."""
+    if not getattr(hf_config, "sliding_window", None):
+        return None
+    windows = layer_sliding_windows(hf_config)
+    return None if not windows or None in windows else max(windows)

@@ -32,6 +32,8 @@ def tiny_config(arch: str):
                                    residual_multiplier=0.4, logits_scaling=3.0)
     if arch == "phi3":       # qkv_proj and gate_up_proj fused in the checkpoint
         return tf.Phi3Config(**common, intermediate_size=128, num_hidden_layers=2, pad_token_id=0)
+    if arch == "mistral_window":  # every layer windowed (W 10, not a multiple of a block): blocks released
+        return tf.MistralConfig(**common, intermediate_size=128, num_hidden_layers=2, sliding_window=10)
     if arch == "granite":    # the four multipliers
         return tf.GraniteConfig(**common, intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
                                 attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
