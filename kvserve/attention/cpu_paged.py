@@ -92,8 +92,8 @@ class CPUPagedBackend:
         # NOTE: the kernel takes and returns float32 queries; a bf16 model's are widened and the result rounded
         # back (a copy of q, small beside the K/V it reads).
         out = self.kernel.paged_attention(q.float().contiguous(), values, meta.block_table, meta.seq_lens, scale,
-                                          meta.query_start, scales, *cascade, sliding_window=sliding_window or 0,
-                                          soft_cap=logits_soft_cap or 0.0)
+                                          meta.query_start, scales, *cascade, sliding_window or 0,
+                                          logits_soft_cap or 0.0)
         if rotated:
             out = self.kernel.hadamard(out)
         return out if out.dtype == q_dtype else out.to(q_dtype)

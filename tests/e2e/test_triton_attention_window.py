@@ -55,3 +55,50 @@ def test_half_precision(kernels):
     out = _forward(TritonPagedBackend(kernels), step, 32, 11, 2.0)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), dense_windowed(step, 32 ** -0.5, 11, 2.0), atol=2e-2, rtol=2e-2)
+
+
+def test_engine_on_triton_paged_matches_transformers(kernels, tmp_path):
+    """A tiny Mistral windowing every layer (W 12) through the whole engine on the Triton backend (interpreted):
+    chunked prefill, preemption and n-gram drafts give transformers' greedy tokens."""
+    import random
+
+    from kvserve.config import EngineArgs
+    from kvserve.engine.engine import Engine
+    from tests.helpers.architectures import make_checkpoint
+    from tests.helpers.oracles import assert_matches_hf
+
+    hf = make_checkpoint(str(tmp_path), "mistral_sliding", seed=2)
+    rng = random.Random(5)
+    reqs = [([rng.randrange(3, 49152) for _ in range(n)], m) for n, m in [(1, 20), (37, 10), (45, 8)]]
+    reqs.append(([7, 8, 9] * 12, 12))  # repetitive: n-gram drafts get proposed and verified
+    engine = Engine(EngineArgs(model=str(tmp_path), attention_backend="triton_paged", num_gpu_blocks_override=9,
+                               max_num_batched_tokens=16, max_num_seqs=4,
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+                                                   "adaptive": False}))
+    assert engine.core.executor.worker.backend.name == "triton_paged"
+    assert_matches_hf(None, reqs, hf, engine=engine)
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert engine.scheduler.stats.num_spec_drafts > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window, soft_cap, splits", [(7, None, None), (100, 30.0, None), (333, 30.0, 1)])
+def test_gpu_kernels_match_dense(dtype, block_size, window, soft_cap, splits):
+    """The compiled kernels on the GPU, head_dim 128 and Llama-3's GQA ratio, long contexts (the SM-count split
+    heuristic over the window's pages), against dense attention in float64."""
+    from kvserve.attention.backend import CommonAttentionMetadata
+    from kvserve.attention.triton_paged import TritonPagedBackend
+
+    step = windowed_step(block_size, [(100, 1), (31, 1), (500, 4), (17, 1)], [(0, 70), (64, 3), (250, 130)],
+                         block_size=block_size, hq=32, hkv=8, d=128, window=window, dtype=dtype)
+    fields = {f: getattr(step.common, f) for f in step.common.__dataclass_fields__}
+    on_gpu = CommonAttentionMetadata(**{f: x.cuda() if isinstance(x, torch.Tensor) else x for f, x in fields.items()})
+    tri = TritonPagedBackend(decode_splits=splits)
+    out = tri.forward(step.q.cuda(), step.k.cuda(), step.v.cuda(), step.cache.cuda(), tri.build_metadata(on_gpu),
+                      128 ** -0.5, sliding_window=window, logits_soft_cap=soft_cap)
+    torch.testing.assert_close(out.float().cpu(), dense_windowed(step, 128 ** -0.5, window, soft_cap), atol=2e-2,
+                               rtol=2e-2)

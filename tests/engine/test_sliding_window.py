@@ -52,7 +52,7 @@ def test_logits_of_a_mixed_batch_match_transformers(checkpoint, backend, block_s
 def test_greedy_tokens_with_chunked_prefill_and_preemption(checkpoint, backend):
     """Prompts of 3-4 windows in chunks of 16 tokens, decoding several windows further, in a cache too small for
     all of them at once (requests are preempted and recomputed)."""
-    arch, path, hf = checkpoint
+    _, path, hf = checkpoint
     g = torch.Generator().manual_seed(3)
     reqs = [(torch.randint(0, 49152, (n,), generator=g).tolist(), m) for n, m in [(36, 24), (45, 16), (30, 30),
                                                                                    (5, 20)]]
@@ -65,7 +65,7 @@ def test_greedy_tokens_with_chunked_prefill_and_preemption(checkpoint, backend):
 def test_greedy_tokens_after_a_prefix_cache_hit(checkpoint, backend):
     """Three prompts behind a 40-token prefix (over three windows), the last after the others finish: its cached
     prefix is read through the window like any context."""
-    arch, path, hf = checkpoint
+    _, path, hf = checkpoint
     engine = _engine(path, backend, max_num_batched_tokens=16)
     g = torch.Generator().manual_seed(4)
     prefix = torch.randint(0, 49152, (40,), generator=g).tolist()
@@ -79,7 +79,7 @@ def test_greedy_tokens_after_a_prefix_cache_hit(checkpoint, backend):
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 def test_ngram_drafts_verified_through_windows(checkpoint, backend):
     """Several decode rows of one request in a pass (draft verification): each row sees its own window."""
-    arch, path, hf = checkpoint
+    _, path, hf = checkpoint
     engine = _engine(path, backend, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                         "prompt_lookup_min": 1, "prompt_lookup_max": 2,
                                                         "adaptive": False})

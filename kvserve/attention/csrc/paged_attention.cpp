@@ -19,6 +19,12 @@
 // a state (max m, sum l, unnormalised output o) is the log-sum-exp merge of the two partial attentions:
 // o = o1 * exp(m1 - m) + o2 * exp(m2 - m), l likewise, m = max(m1, m2).
 //
+// Sliding windows (Mistral, Gemma's local layers) and logit soft caps (Gemma 2) are arguments of each call, as
+// windows differ per layer: a token at position p sees keys (p - W, p], so an item starts at the block of its
+// first token's window (blocks before it may have been freed and are never read), each row's first visible key
+// bounds its scores from below as its causal limit does from above, and lane chunks wholly before every lane's
+// window are skipped. Without a window or a cap those steps are not taken.
+//
 // Element types are a template parameter behind `to_float` (float32; bfloat16, widened without scales; int8 and fp8 e4m3 with one bfloat16 scale
 // per block, KV head and K/V as the engine lays them out, kvserve/kv_cache/quant.py, or one per slot): a block's
 // rows of one KV head are widened to float times their scales into block-sized buffers that stay in L1, and the
