@@ -3,7 +3,7 @@ on every CPU attention backend: a tiny Mistral windowing every layer (W 12) and 
 use_sliding_window and max_window_layers (layer 0 full attention, layers 1-2 windowed, W 10), every weight
 randomised. Sequences run 3-8 windows long. Compared: logits of a mixed batch through the paged cache, greedy
 tokens through chunked prefill with preemption, a prefix-cache hit and n-gram drafts (decode rows verifying
-drafts); block invariants after every step.
+drafts), and an int8/fp8 cache; block invariants after every step.
 """
 from __future__ import annotations
 
@@ -88,3 +88,15 @@ def test_ngram_drafts_verified_through_windows(checkpoint, backend):
     done = run_to_completion(engine)
     assert engine.scheduler.stats.num_spec_drafts > 0
     assert done["0"].outputs[0].token_ids == hf_greedy(hf, prompt, 30)[0]
+
+
+# About twice the largest logit difference seen on these checkpoints (their randomised norms widen activations
+# beyond tests/engine/test_kv_quant.py's tiny Llama); the kernel's windowed reads of a quantized cache are
+# checked exactly against dense attention in tests/unit/test_attention_window.py.
+@pytest.mark.parametrize("kv_cache_dtype, atol", [("int8", 0.1), ("fp8_e4m3", 0.4)])
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_quantized_cache_logits_close_to_transformers(checkpoint, kv_cache_dtype, atol, backend):
+    """An int8/fp8 cache (rotated K/V, block scales) read through windows."""
+    arch, path, hf = checkpoint
+    engine = _engine(path, backend, kv_cache_dtype=kv_cache_dtype)
+    assert_logits_match_hf(engine, hf, mixed_batch(seed=len(arch) + 1), atol=atol, rtol=0)
