@@ -41,11 +41,11 @@ class WindowedStep:
 
 def windowed_step(seed: int, decodes: list[tuple[int, int]], prefills: list[tuple[int, int]], *, block_size: int,
                   hq: int, hkv: int, d: int, window: int | None, shared_blocks: int = 0,
-                  dtype: torch.dtype = torch.float32) -> WindowedStep:
+                  dtype: torch.dtype = torch.float32, stale_id: int | None = None) -> WindowedStep:
     """decodes: (context, rows) per request, rows > 1 a request verifying drafts (one decode row per token);
     prefills: (context, query length) per request. The first `shared_blocks` blocks of every request whose
     context covers them are the same physical blocks (a cached prefix). Blocks wholly before the window of a
-    request's first query token point at the poisoned block."""
+    request's first query token point at the poisoned block, or hold `stale_id` (such as -1: no block at all)."""
     g = torch.Generator().manual_seed(seed)
     reqs = decodes + prefills
     need = sum(-(-(c + n) // block_size) for c, n in reqs) + shared_blocks
@@ -60,7 +60,7 @@ def windowed_step(seed: int, decodes: list[tuple[int, int]], prefills: list[tupl
         slots.append(torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c + n)]))
         gone = 0 if window is None else max(0, c - window + 1) // block_size
         poisoned += gone
-        tables.append([need] * gone + table[gone:])
+        tables.append([need if stale_id is None else stale_id] * gone + table[gone:])
     common = _metadata(decodes, prefills, tables, block_size)
     cache = cache.to(dtype)
     rows = cache.view(-1, 2, hkv, d)[common.slot_mapping]                                  # [T, 2, Hkv, D]

@@ -47,6 +47,19 @@ def test_mixed_step_matches_dense(backend, window, soft_cap, block_size, hq, hkv
     torch.testing.assert_close(out, dense_windowed(step, d ** -0.5, window, soft_cap), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_ref"])
+@pytest.mark.parametrize("window", [5, 23])
+def test_table_entries_before_the_window_are_not_read(backend, window):
+    """Freed blocks' table entries holding -1 (no block at all): nothing reads them, not even as padding."""
+    be = _backend(backend)
+    step = windowed_step(window, DECODES, PREFILLS, block_size=8, hq=4, hkv=2, d=64, window=window, stale_id=-1,
+                         shared_blocks=2)
+    assert (step.common.block_table == -1).any()
+    out = be.forward(step.q, step.k, step.v, step.cache, be.build_metadata(step.common), 0.125,
+                     sliding_window=window)
+    torch.testing.assert_close(out, dense_windowed(step, 0.125, window, None), atol=2e-5, rtol=1e-5)
+
+
 def test_soft_cap_and_window_change_the_result():
     """Guards the comparison above: the cap and the window are not no-ops on these steps."""
     step = windowed_step(0, DECODES, PREFILLS, block_size=16, hq=4, hkv=2, d=64, window=None)
