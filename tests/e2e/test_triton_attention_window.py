@@ -48,6 +48,17 @@ def test_mixed_step_matches_dense_and_reference(kernels, window, soft_cap, split
     torch.testing.assert_close(out, _forward(TorchRefBackend(), step, d, window, soft_cap), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_table_entries_before_the_window_are_not_read(kernels, splits):
+    """Freed blocks' table entries holding -1 (no block at all): no program loads them."""
+    from kvserve.attention.triton_paged import TritonPagedBackend
+
+    step = windowed_step(9, DECODES, PREFILLS, block_size=16, hq=4, hkv=2, d=32, window=9, stale_id=-1)
+    assert (step.common.block_table == -1).any()
+    out = _forward(TritonPagedBackend(kernels, decode_splits=splits), step, 32, 9, None)
+    torch.testing.assert_close(out, dense_windowed(step, 32 ** -0.5, 9, None), atol=1e-5, rtol=1e-5)
+
+
 def test_half_precision(kernels):
     from kvserve.attention.triton_paged import TritonPagedBackend
 
