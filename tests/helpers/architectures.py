@@ -1,5 +1,6 @@
-"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite), built
-with transformers' own config classes: every weight randomised, 1-D ones included."""
+"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite) and of
+sliding-window ones (Mistral, Qwen2 with windowed layers), built with transformers' own config classes: every
+weight randomised, 1-D ones included."""
 from __future__ import annotations
 
 import os
@@ -37,6 +38,11 @@ def tiny_config(arch: str):
     if arch == "granite":    # the four multipliers
         return tf.GraniteConfig(**common, intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
                                 attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
+    if arch == "mistral_sliding":  # every layer windowed (12: below a block of 16, not a multiple of 8)
+        return tf.MistralConfig(**common, intermediate_size=128, num_hidden_layers=2, sliding_window=12)
+    if arch == "qwen2_sliding":    # layer 0 full attention, layers 1-2 windowed (max_window_layers); qkv bias
+        return tf.Qwen2Config(**common, intermediate_size=128, num_hidden_layers=3, use_sliding_window=True,
+                              sliding_window=10, max_window_layers=1)
     raise ValueError(arch)
 
 
