@@ -56,7 +56,7 @@ def test_greedy_tokens_with_chunked_prefill_and_preemption(checkpoint, backend):
     g = torch.Generator().manual_seed(3)
     reqs = [(torch.randint(0, 49152, (n,), generator=g).tolist(), m) for n, m in [(36, 24), (45, 16), (30, 30),
                                                                                    (5, 20)]]
-    engine = _engine(path, backend, num_gpu_blocks_override=14, max_num_batched_tokens=16, max_num_seqs=4)
+    engine = _engine(path, backend, num_gpu_blocks_override=8, max_num_batched_tokens=16, max_num_seqs=4)
     engine, _ = assert_matches_hf(None, reqs, hf, engine=engine)
     assert engine.scheduler.stats.num_preemptions > 0
 

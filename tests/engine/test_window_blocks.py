@@ -11,15 +11,10 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.architectures import make_checkpoint
-from tests.helpers.engine import run_to_completion, step_until_idle
+from tests.helpers.engine import ATTENTION_BACKENDS, run_to_completion, step_until_idle
 from tests.helpers.oracles import assert_matches_hf, hf_greedy
 
 W, BS, BUDGET = 10, 4, 8
-# TODO(window kernels): once cpu_paged attends through windows past their length, drop the xfail and
-# parametrize "backend" over ATTENTION_BACKENDS (conftest then runs torch_ref only with --all-backends; named
-# "attention" here so that it runs by default while it is the only backend that passes).
-BACKENDS = ["torch_ref", pytest.param("cpu_paged", marks=pytest.mark.xfail(
-    raises=NotImplementedError, strict=False, reason="cpu_paged refuses sequences past their window"))]
 
 
 @pytest.fixture(scope="module")
@@ -66,22 +61,22 @@ class Bounded:
             self.most = max(self.most, kv.num_blocks_held(req.request_id))
 
 
-@pytest.mark.parametrize("attention", BACKENDS)
-def test_long_requests_hold_a_bounded_number_of_blocks(mistral, attention):
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_long_requests_hold_a_bounded_number_of_blocks(mistral, backend):
     path, hf = mistral
     reqs = [(_prompt(1, 40), 12), (_prompt(2, 23), 20), (_prompt(3, 5), 36)]
-    engine = _engine(path, attention, num_blocks=20)  # released blocks are soon reused: a misread shows
+    engine = _engine(path, backend, num_blocks=20)  # released blocks are soon reused: a misread shows
     bounded = Bounded(engine)
     assert_matches_hf(None, reqs, hf, engine=engine, after_step=bounded)
     assert engine.scheduler.kv.sliding_window == W
     assert bounded.most >= 12  # tables grew well past the blocks their requests held
 
 
-@pytest.mark.parametrize("attention", BACKENDS)
-def test_prefix_hit_after_the_prefix_start_was_evicted(mistral, attention):
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_prefix_hit_after_the_prefix_start_was_evicted(mistral, backend):
     path, hf = mistral
     # 12 pool blocks: the first request (13 blocks of computed tokens) reuses its own oldest released block.
-    engine = _engine(path, attention, num_blocks=13)
+    engine = _engine(path, backend, num_blocks=13)
     bounded = Bounded(engine)
     shared = _prompt(4, 44)
     first, second = shared + [5, 6, 7], shared + [8, 9]
@@ -102,35 +97,35 @@ def test_prefix_hit_after_the_prefix_start_was_evicted(mistral, attention):
         assert done[name].outputs[0].token_ids == hf_greedy(hf, prompt, 6)[0], name
 
 
-@pytest.mark.parametrize("attention", BACKENDS)
-def test_preemption_in_a_small_pool(mistral, attention):
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_preemption_in_a_small_pool(mistral, backend):
     path, hf = mistral
     reqs = [(_prompt(10 + i, 9 + 7 * i), 30) for i in range(4)]
-    engine = _engine(path, attention, num_blocks=13)
+    engine = _engine(path, backend, num_blocks=13)
     assert_matches_hf(None, reqs, hf, engine=engine, after_step=Bounded(engine))
     assert engine.scheduler.stats.num_preemptions > 0
 
 
-@pytest.mark.parametrize("attention", BACKENDS)
-def test_speculative_rollbacks(mistral, attention):
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_speculative_rollbacks(mistral, backend):
     path, hf = mistral
     # Repeated phrases give the n-gram proposer drafts; random weights reject most of them.
     reqs = [((_prompt(20, 6) * 4)[:22], 30), ((_prompt(21, 5) * 5)[:19], 26)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             "adaptive": False}
-    engine = _engine(path, attention, num_blocks=14, speculative_config=spec)
+    engine = _engine(path, backend, num_blocks=14, speculative_config=spec)
     assert_matches_hf(None, reqs, hf, engine=engine, after_step=Bounded(engine))
     stats = engine.scheduler.stats
     assert stats.num_spec_drafts > 0 and stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
 
 
-@pytest.mark.parametrize("attention", BACKENDS)
-def test_prompt_logprobs_are_recomputed_through_the_window(mistral, attention):
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_prompt_logprobs_are_recomputed_through_the_window(mistral, backend):
     """A request that needs prompt logprobs computes its whole prompt (no hit, though its prompt is cached),
     releasing blocks as it goes; each prompt token's logprob equals transformers'."""
     path, hf = mistral
     prompt = _prompt(30, 41)
-    engine = _engine(path, attention, num_blocks=13)
+    engine = _engine(path, backend, num_blocks=13)
     bounded = Bounded(engine)
     engine.add_request("warm", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     step_until_idle(engine, after_step=bounded)
