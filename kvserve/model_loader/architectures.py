@@ -1,5 +1,6 @@
 """Supported architectures, keyed by the `architectures` field of a Hugging Face config, and what each changes
-in the Llama network (models/llama.py). Read when a config is resolved, before any model code is imported."""
+in the Llama network (models/llama.py), or which other network it is (Gemma: models/gemma.py). Read when a
+config is resolved, before any model code is imported."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,6 +34,10 @@ class ArchFeatures:
     logits_scaling from the config."""
     tensor_parallel: bool = True
     """False where a layer needs the whole projection on one rank (OLMoE's full-width q/k norm)."""
+    network: str = "llama"
+    """Which network models/build.py builds: "llama" (models/llama.py) or "gemma" (models/gemma.py)."""
+    attn_soft_cap: bool = False
+    """Gemma 2: attention scores soft-capped at config.attn_logit_softcapping (transformers' Gemma 3 ignores it)."""
 
 
 _MOE = dict(moe=True)
@@ -50,6 +55,8 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
     "GraniteMoeForCausalLM": ArchFeatures(multipliers=True, moe_prefix="block_sparse_moe", router_name="router.layer",
                                           stacked_expert_names=("input_linear.weight", "output_linear.weight"),
                                           **_MOE),
+    "Gemma2ForCausalLM": ArchFeatures(network="gemma", attn_soft_cap=True),
+    "Gemma3ForCausalLM": ArchFeatures(network="gemma", qk_norm=True),
 }
 
 

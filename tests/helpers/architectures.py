@@ -1,5 +1,5 @@
-"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite), built
-with transformers' own config classes: every weight randomised, 1-D ones included."""
+"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite, Gemma 2/3),
+built with transformers' own config classes: every weight randomised, 1-D ones included."""
 from __future__ import annotations
 
 import os
@@ -35,6 +35,15 @@ def tiny_config(arch: str):
     if arch == "granite":    # the four multipliers
         return tf.GraniteConfig(**common, intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
                                 attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
+    gemma = dict(common, tie_word_embeddings=True, intermediate_size=96, head_dim=32, sliding_window=12,
+                 query_pre_attn_scalar=24, pad_token_id=0)
+    if arch == "gemma2":     # sliding and global layers alternating, both soft caps
+        return tf.Gemma2Config(**gemma, num_hidden_layers=4, attn_logit_softcapping=20.0,
+                               final_logit_softcapping=15.0)
+    if arch == "gemma3":     # sliding layers with their own RoPE base, one global layer with linear RoPE scaling
+        return tf.Gemma3TextConfig(**gemma, num_hidden_layers=5, sliding_window_pattern=3, rope_local_base_freq=500.0,
+                                   rope_theta=20000.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                   final_logit_softcapping=25.0)
     raise ValueError(arch)
 
 
