@@ -38,6 +38,9 @@ class ArchFeatures:
     """Which network models/build.py builds: "llama" (models/llama.py) or "gemma" (models/gemma.py)."""
     attn_soft_cap: bool = False
     """Gemma 2: attention scores soft-capped at config.attn_logit_softcapping (transformers' Gemma 3 ignores it)."""
+    multimodal_text: bool = False
+    """A multimodal checkpoint served as text only (Gemma3ForConditionalGeneration): the network is built from
+    its config's text_config (served_config), and only its text tensors are loaded (weight_loader.py)."""
 
 
 _MOE = dict(moe=True)
@@ -57,6 +60,7 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
                                           **_MOE),
     "Gemma2ForCausalLM": ArchFeatures(network="gemma", attn_soft_cap=True),
     "Gemma3ForCausalLM": ArchFeatures(network="gemma", qk_norm=True),
+    "Gemma3ForConditionalGeneration": ArchFeatures(network="gemma", qk_norm=True, multimodal_text=True),
 }
 
 
@@ -68,6 +72,21 @@ def resolve_architecture(hf_config) -> tuple[str, ArchFeatures]:
     raise ValueError(
         f"unsupported architecture {archs or getattr(hf_config, 'model_type', None)!r}; "
         f"supported: {', '.join(ARCHITECTURES)}")
+
+
+def served_config(hf_config):
+    """The config the network is built from: a multimodal one's text part (ArchFeatures.multimodal_text) under the
+    multimodal architecture's name, else the config itself."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not any(ARCHITECTURES[a].multimodal_text for a in archs if a in ARCHITECTURES):
+        return hf_config
+    text = hf_config.get_text_config()
+    text.architectures = archs
+    if getattr(text, "dtype", None) is None:  # the checkpoint's dtype is recorded on the outer config
+        text.dtype = getattr(hf_config, "dtype", None)
+    # NOTE: transformers' Gemma3ForConditionalGeneration does not soft-cap its logits, whatever the text config says
+    text.final_logit_softcapping = None
+    return text
 
 
 def num_experts(hf_config) -> int:

@@ -24,12 +24,7 @@ from kvserve.model_loader.weight_loader import expected_tensors
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.architectures import make_checkpoint
 from tests.helpers.engine import run_last_after_prefix
-from tests.helpers.oracles import (
-    assert_logits_match_hf,
-    assert_matches_hf,
-    hf_greedy,
-    mixed_batch,
-)
+from tests.helpers.oracles import assert_logits_match_hf, assert_matches_hf, hf_greedy, mixed_batch
 
 GEMMA_ARCHS = ("gemma2", "gemma3")
 # NOTE: not named `backend`: tests/conftest.py deselects the engine tier's torch_ref runs by that name
@@ -133,3 +128,23 @@ def test_variants_computed_differently_are_refused(tmp_path, change, message):
     builtin_tokenizer().save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match=message):
         _engine(str(tmp_path))
+
+
+@pytest.mark.parametrize("state_dict_names", [False, True])
+def test_gemma3_multimodal_checkpoint_serves_its_text_part(tmp_path, state_dict_names):
+    """A Gemma3ForConditionalGeneration checkpoint (a vision tower and projector beside the text model): its text
+    tensors load, named as save_pretrained writes them (language_model.model.*) or as transformers 5 holds them
+    (model.language_model.*), the rest is skipped, and the logits equal transformers' multimodal model's on text
+    (which does not soft-cap them, whatever its text config says)."""
+    from safetensors import safe_open
+
+    hf = make_checkpoint(str(tmp_path), "gemma3_mm", seed=5, state_dict_names=state_dict_names)
+    engine = _engine(str(tmp_path))
+    assert engine.config.model.architecture == "Gemma3ForConditionalGeneration"
+    with safe_open(os.path.join(tmp_path, "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    prefix = "model.language_model." if state_dict_names else "language_model.model."
+    assert f"{prefix}layers.0.self_attn.q_norm.weight" in names
+    assert any("vision_tower" in n for n in names) and any("multi_modal_projector" in n for n in names)
+    assert engine.core.executor.worker.runner.model.final_logit_softcapping is None
+    assert_logits_match_hf(engine, hf, mixed_batch(seed=4)[:4], atol=1e-4, rtol=1e-4)
