@@ -68,6 +68,9 @@ class FusedLayerOps(LayerOps):
     def silu_and_mul(self, gate_up):
         return self._m.silu_and_mul(gate_up)
 
+    def gelu_tanh_and_mul(self, gate_up):
+        return self._m.gelu_tanh_and_mul(gate_up)
+
 
 @functools.lru_cache(maxsize=1)
 def load_fused_layer_ops() -> FusedLayerOps | None:

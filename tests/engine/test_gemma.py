@@ -86,6 +86,20 @@ def test_logits_match_transformers(checkpoint, attention):
     assert engine.block_pool.counts()["in_use"] == 0
 
 
+def test_fused_layer_ops_match_transformers(checkpoint):
+    """The fused C++ ops, which the worker picks beside the kernel backends (RoPE in place on the fused q/k/v
+    projection, GELU-tanh gating), in Gemma's layers on the reference backend."""
+    from kvserve.models.layer_ops import load_fused_layer_ops
+
+    fused = load_fused_layer_ops()
+    if fused is None:
+        pytest.skip("the C++ extension does not build here")
+    arch, path, hf = checkpoint
+    engine = _engine(path)
+    engine.core.executor.worker.runner.model.ops = fused
+    assert_logits_match_hf(engine, hf, mixed_batch(seed=5)[:4], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_greedy_tokens_match_transformers_with_chunked_prefill_and_prefix_hit(checkpoint, attention):
     """Three prompts sharing a 40-token prefix (over 3x the window), in 16-token chunks, the last after the others
