@@ -85,17 +85,24 @@ def _hf_inv_freqs(hf_config) -> dict[str, tuple[torch.Tensor, float]]:
 
 
 class GemmaRotaryEmbedding(nn.Module):
-    """cos/sin tables [K, P, D] for each of the K layer types (config.layer_types, sorted) and every position
-    up to max_positions."""
+    """cos/sin tables [K, P, D]: one for each distinct RoPE of the layer types (Gemma 3: two; Gemma 2: one), every
+    position up to max_positions. `table_of[layer_type]` is the table a layer of that type rotates with."""
 
     def __init__(self, hf_config, max_positions: int):
         super().__init__()
-        freqs = _hf_inv_freqs(hf_config)
-        self.layer_types = list(freqs)
+        with torch.device("cpu"):  # compared below: real values even when the model is built on the meta device
+            freqs = _hf_inv_freqs(hf_config)
+        distinct: list[tuple[torch.Tensor, float]] = []
+        self.table_of: dict[str, int] = {}
+        for layer_type, (inv_freq, scaling) in freqs.items():
+            same = [i for i, (f, s) in enumerate(distinct) if s == scaling and torch.equal(f, inv_freq)]
+            if not same:
+                distinct.append((inv_freq, scaling))
+            self.table_of[layer_type] = same[0] if same else len(distinct) - 1
         positions = torch.arange(max_positions, dtype=torch.float32)
         cos, sin = [], []
-        for inv_freq, scaling in freqs.values():
-            angles = torch.outer(positions, inv_freq.float())                # [P, D/2]
+        for inv_freq, scaling in distinct:
+            angles = torch.outer(positions, inv_freq.float().to(positions.device))  # [P, D/2]
             emb = torch.cat((angles, angles), dim=-1)                         # [P, D]
             if emb.shape[-1] != hf_config.head_dim:
                 raise ValueError("RoPE over part of each head is not supported for Gemma")
@@ -105,7 +112,7 @@ class GemmaRotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.stack(sin), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer type (in self.layer_types' order), cos and sin [T, D] of the step's positions."""
+        """Per table, cos and sin [T, D] of the step's positions."""
         cos = self.cos.index_select(1, positions).to(dtype)
         sin = self.sin.index_select(1, positions).to(dtype)
         return list(zip(cos.unbind(0), sin.unbind(0)))
@@ -168,8 +175,8 @@ class GemmaForCausalLM(nn.Module):
                                                    shard.all_reduce)
         self.rope = GemmaRotaryEmbedding(cfg, max_positions)
         windows = layer_sliding_windows(cfg)
-        rope_index = [self.rope.layer_types.index(t) for t in cfg.layer_types]
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, feats, backend, method, shard, windows[i], rope_index[i])
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, feats, backend, method, shard, windows[i],
+                                                      self.rope.table_of[cfg.layer_types[i]])
                                     for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         tied = self.embed_tokens if getattr(cfg, "tie_word_embeddings", True) else None

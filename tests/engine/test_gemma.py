@@ -64,6 +64,28 @@ def test_every_checkpoint_tensor_is_consumed(checkpoint):
     assert "model.layers.3.pre_feedforward_layernorm.weight" in names
 
 
+@pytest.mark.parametrize("config_class", ["Gemma2Config", "Gemma3TextConfig"])
+def test_full_size_default_configs_build_transformers_shapes(config_class):
+    """transformers' default configs (Gemma 2 2B, a Gemma 3 of the same width), built on the meta device: the
+    tensors the loader expects are transformers' own, of the same shapes."""
+    import transformers as tf
+
+    from kvserve.attention.torch_ref import TorchRefBackend
+    from kvserve.layers.linear_methods import DenseMethod
+    from kvserve.model_loader.architectures import resolve_architecture
+    from kvserve.model_loader.loader import normalize_config
+    from kvserve.models.gemma import GemmaForCausalLM
+
+    cfg = normalize_config(getattr(tf, config_class)())
+    with torch.device("meta"):
+        hf = tf.AutoModelForCausalLM.from_config(cfg)
+        cfg.architectures = [type(hf).__name__]
+        ours = GemmaForCausalLM(cfg, resolve_architecture(cfg)[1], TorchRefBackend(), 16, DenseMethod())
+    theirs = {k: v.shape for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert set(expected_tensors(ours)) == set(theirs)
+    assert sum(p.numel() for p in ours.parameters()) == sum(v.numel() for v in theirs.values())
+
+
 def test_layers_get_their_window_rope_and_soft_cap(checkpoint):
     arch, path, hf = checkpoint
     model = _engine(path).core.executor.worker.runner.model
@@ -73,8 +95,10 @@ def test_layers_get_their_window_rope_and_soft_cap(checkpoint):
         assert attn.sliding_window == (12 if kind == "sliding_attention" else None)
         assert attn.scale == 24 ** -0.5
         assert attn.logits_soft_cap == (20.0 if arch == "gemma2" else None)
-        assert model.rope.layer_types[layer.rope_index] == kind
+        assert model.rope.table_of[kind] == layer.rope_index
     assert {"sliding_attention", "full_attention"} == set(cfg.layer_types)
+    # Gemma 2 rotates every layer alike: one table; Gemma 3 a table per layer type
+    assert model.rope.cos.shape[0] == (2 if arch == "gemma3" else 1)
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
