@@ -23,7 +23,7 @@ from kvserve.engine.engine import Engine
 from kvserve.model_loader.weight_loader import expected_tensors
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.architectures import make_checkpoint
-from tests.helpers.engine import run_last_after_prefix
+from tests.helpers.engine import run_last_after_prefix, run_to_completion
 from tests.helpers.oracles import assert_logits_match_hf, assert_matches_hf, hf_greedy, mixed_batch
 
 GEMMA_ARCHS = ("gemma2", "gemma3")
@@ -186,3 +186,16 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_part(tmp_path, state_dict_
     assert any("vision_tower" in n for n in names) and any("multi_modal_projector" in n for n in names)
     assert engine.core.executor.worker.runner.model.final_logit_softcapping is None
     assert_logits_match_hf(engine, hf, mixed_batch(seed=4)[:4], atol=1e-4, rtol=1e-4)
+
+
+def test_ngram_speculation_verifies_drafts_through_windows(checkpoint):
+    """Draft tokens verified in one pass (several query rows per request, each with its own window): greedy tokens
+    still equal transformers'."""
+    _, path, hf = checkpoint
+    engine = _engine(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                               "prompt_lookup_min": 1, "prompt_lookup_max": 2, "adaptive": False})
+    prompt = [5, 6, 7, 8] * 6
+    engine.add_request("0", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    done = run_to_completion(engine)
+    assert engine.scheduler.stats.num_spec_drafts > 0
+    assert done["0"].outputs[0].token_ids == hf_greedy(hf, prompt, 24)[0]
