@@ -84,6 +84,8 @@ def served_config(hf_config):
     text.architectures = archs
     if getattr(text, "dtype", None) is None:  # the checkpoint's dtype is recorded on the outer config
         text.dtype = getattr(hf_config, "dtype", None)
+    if getattr(hf_config, "eos_token_id", None) is not None:  # instruct checkpoints list end-of-turn there too
+        text.eos_token_id = hf_config.eos_token_id
     # NOTE: transformers' Gemma3ForConditionalGeneration does not soft-cap its logits, whatever the text config says
     text.final_logit_softcapping = None
     return text

@@ -179,6 +179,7 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_part(tmp_path, state_dict_
     hf = make_checkpoint(str(tmp_path), "gemma3_mm", seed=5, state_dict_names=state_dict_names)
     engine = _engine(str(tmp_path))
     assert engine.config.model.architecture == "Gemma3ForConditionalGeneration"
+    assert 106 in engine.eos_token_ids  # the outer config's end-of-turn id, not only the text config's eos
     with safe_open(os.path.join(tmp_path, "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     prefix = "model.language_model." if state_dict_names else "language_model.model."

@@ -48,7 +48,8 @@ def tiny_config(arch: str):
         vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                        num_attention_heads=2, image_size=28, patch_size=14)
         return tf.Gemma3Config(text_config=tiny_config("gemma3").to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                               boi_token_index=60000, eoi_token_index=60001, image_token_index=60002)
+                               boi_token_index=60000, eoi_token_index=60001, image_token_index=60002,
+                               eos_token_id=[2, 106])
     raise ValueError(arch)
 
 
