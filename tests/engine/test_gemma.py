@@ -5,8 +5,10 @@ Each checkpoint mixes sliding-window and global layers (window 12, prompts up to
 query_pre_attn_scalar apart from head_dim, ties its embeddings and randomises every weight, norms included, so
 that (1 + w) is exercised; Gemma 2 soft-caps attention scores and logits, Gemma 3 has q/k norms, a RoPE base of
 its own for sliding layers and linear RoPE scaling on its global layer. Compared: the logits of a mixed batch
-through the paged cache, and greedy tokens through the engine with chunked prefill, a prefix-cache hit and
-preemption, block invariants after every step.
+through the paged cache (also with the fused C++ layer ops), and greedy tokens through the engine with chunked
+prefill, a prefix-cache hit, preemption and n-gram speculation, block invariants after every step; a
+Gemma3ForConditionalGeneration checkpoint's text part in both of its name layouts; full-size default configs'
+tensor names and shapes.
 
 The reference attention backend attends through windows and soft caps; cpu_paged refuses them until its
 kernels do (xfail, not strict).
@@ -52,9 +54,9 @@ def _prompts(seed: int, lengths: tuple[int, ...], prefix: int = 0) -> list[list[
 
 def test_every_checkpoint_tensor_is_consumed(checkpoint):
     """Four norms a layer, q/k norms in Gemma 3 only, no lm_head (tied): the names match exactly."""
-    arch, path, _ = checkpoint
     from safetensors import safe_open
 
+    arch, path, _ = checkpoint
     model = _engine(path).core.executor.worker.runner.model
     with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
