@@ -1,5 +1,6 @@
 """Supported architectures, keyed by the `architectures` field of a Hugging Face config, and what each changes
-in the Llama network (models/llama.py). Read when a config is resolved, before any model code is imported."""
+in the Llama network (models/llama.py), or which other network it is (Gemma: models/gemma.py). Read when a
+config is resolved, before any model code is imported."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,6 +34,13 @@ class ArchFeatures:
     logits_scaling from the config."""
     tensor_parallel: bool = True
     """False where a layer needs the whole projection on one rank (OLMoE's full-width q/k norm)."""
+    network: str = "llama"
+    """Which network models/build.py builds: "llama" (models/llama.py) or "gemma" (models/gemma.py)."""
+    attn_soft_cap: bool = False
+    """Gemma 2: attention scores soft-capped at config.attn_logit_softcapping (transformers' Gemma 3 ignores it)."""
+    multimodal_text: bool = False
+    """A multimodal checkpoint served as text only (Gemma3ForConditionalGeneration): the network is built from
+    its config's text_config (served_config), and only its text tensors are loaded (weight_loader.py)."""
 
 
 _MOE = dict(moe=True)
@@ -50,6 +58,9 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
     "GraniteMoeForCausalLM": ArchFeatures(multipliers=True, moe_prefix="block_sparse_moe", router_name="router.layer",
                                           stacked_expert_names=("input_linear.weight", "output_linear.weight"),
                                           **_MOE),
+    "Gemma2ForCausalLM": ArchFeatures(network="gemma", attn_soft_cap=True),
+    "Gemma3ForCausalLM": ArchFeatures(network="gemma", qk_norm=True),
+    "Gemma3ForConditionalGeneration": ArchFeatures(network="gemma", qk_norm=True, multimodal_text=True),
 }
 
 
@@ -61,6 +72,23 @@ def resolve_architecture(hf_config) -> tuple[str, ArchFeatures]:
     raise ValueError(
         f"unsupported architecture {archs or getattr(hf_config, 'model_type', None)!r}; "
         f"supported: {', '.join(ARCHITECTURES)}")
+
+
+def served_config(hf_config):
+    """The config the network is built from: a multimodal one's text part (ArchFeatures.multimodal_text) under the
+    multimodal architecture's name, else the config itself."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not any(ARCHITECTURES[a].multimodal_text for a in archs if a in ARCHITECTURES):
+        return hf_config
+    text = hf_config.get_text_config()
+    text.architectures = archs
+    if getattr(text, "dtype", None) is None:  # the checkpoint's dtype is recorded on the outer config
+        text.dtype = getattr(hf_config, "dtype", None)
+    if getattr(hf_config, "eos_token_id", None) is not None:  # instruct checkpoints list end-of-turn there too
+        text.eos_token_id = hf_config.eos_token_id
+    # NOTE: transformers' Gemma3ForConditionalGeneration does not soft-cap its logits, whatever the text config says
+    text.final_logit_softcapping = None
+    return text
 
 
 def num_experts(hf_config) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kv_cache.sizing import attention_shape
+from kvserve.model_loader.architectures import served_config
 from kvserve.model_loader.lazy_tensor import safetensors_lazy
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def load_hf_config(source: ModelSource):
     else:
         from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(source.path, local_files_only=True)
-    return normalize_config(cfg)
+    return normalize_config(served_config(cfg))
 
 
 def normalize_config(cfg):

@@ -19,6 +19,12 @@ _FUSED = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
           "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
 # A checkpoint that stores them fused already (Phi-3): the whole tensor, split by the layer
 _ALREADY_FUSED = {"qkv_proj": "qkv", "gate_up_proj": "fused"}
+# A multimodal checkpoint served as text (ArchFeatures.multimodal_text): its text tensors' prefixes, as
+# transformers 5 names them in memory and as checkpoints store them (which save_pretrained still writes), and the
+# prefixes of the parts not served.
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_NOT_SERVED = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 
 
 @dataclass(frozen=True)
@@ -74,10 +80,13 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
     (process_weights_after_loading: prepacking, quantizing)."""
     expected = expected_tensors(model)
     tied = getattr(getattr(model, "lm_head", None), "tied", False)
+    multimodal = getattr(getattr(model, "feats", None), "multimodal_text", False)
     seen: set[str] = set()
     unexpected = []
     for name, tensor in tensors:
-        if name.endswith(_IGNORED_SUFFIXES):
+        if multimodal:
+            name = _text_name(name)
+        if name is None or name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and tied:
             continue  # tied checkpoints sometimes store the shared matrix twice
@@ -106,6 +115,16 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+
+
+def _text_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under the text model's name; None for a part that is not served."""
+    if name.startswith(_NOT_SERVED):
+        return None
+    for theirs, ours in _TEXT_PREFIXES:
+        if name.startswith(theirs):
+            return ours + name[len(theirs):]
+    return name
 
 
 def _missing(expected: dict[str, Target], seen: set[str]) -> list[str]:

@@ -1,4 +1,4 @@
-"""The decoder layer's element-wise steps: add + RMSNorm, RoPE on q and k, SiLU-and-mul.
+"""The decoder layer's element-wise steps: add + RMSNorm, RoPE on q and k, SiLU-and-mul (GELU-and-mul: Gemma).
 
 `LayerOps` is the PyTorch reference; `FusedLayerOps` does each step in one C++ call (csrc/layer_ops.cpp),
 in place where the reference allocates. On CPU a decode step's element-wise work is small and PyTorch's
@@ -42,6 +42,12 @@ class LayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @staticmethod
+    def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's MLP gating: GELU with the tanh approximation (transformers' gelu_pytorch_tanh)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class FusedLayerOps(LayerOps):
     name = "fused"
@@ -61,6 +67,9 @@ class FusedLayerOps(LayerOps):
 
     def silu_and_mul(self, gate_up):
         return self._m.silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up):
+        return self._m.gelu_tanh_and_mul(gate_up)
 
 
 @functools.lru_cache(maxsize=1)

@@ -89,6 +89,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if has_norm else None
         self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if has_norm else None
         self.clip_qkv = getattr(cfg, "clip_qkv", None) if feats.qk_norm_full_width else None
+        self.logits_soft_cap: float | None = None  # Gemma 2's (models/gemma.py)
         self.backend = backend
 
     def forward(self, x, rope_cos_sin, kv_cache, attn_meta, ops: LayerOps) -> torch.Tensor:
@@ -106,7 +107,7 @@ class Attention(nn.Module):
         # q [T, Hq, D], k and v [T, Hkv, D]: views split by heads (two calls where split + three views took four)
         q, k, v = qkv.view(t, -1, self.head_dim).split_with_sizes(self.head_split, dim=1)
         o = self.backend.forward(q, k, v, kv_cache, attn_meta, self.scale,   # [T, Hq, D]
-                                 sliding_window=self.sliding_window)
+                                 sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         return self.o_proj.forward(o.reshape(t, self.q_size))
 
 

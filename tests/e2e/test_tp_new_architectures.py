@@ -10,10 +10,11 @@ from tests.helpers.engine import run_to_completion
 from tests.helpers.oracles import hf_greedy
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "phi3", "gemma2", "gemma3"])
 def test_tensor_parallel_two_ranks_match_transformers(tmp_path, arch):
     """TP=2 (gloo): experts split over their intermediate dimension, the shared expert as a dense MLP (Qwen2-MoE);
-    the checkpoint's fused qkv_proj / gate_up_proj cut into each rank's heads and rows (Phi-3)."""
+    the checkpoint's fused qkv_proj / gate_up_proj cut into each rank's heads and rows (Phi-3); Gemma's heads split,
+    its (1 + w) norms and soft caps on every rank, the vocabulary-parallel head soft-capped after its gather."""
     from kvserve.engine.llm import LLM
 
     hf = make_checkpoint(str(tmp_path), arch, seed=5)

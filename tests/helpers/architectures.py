@@ -1,6 +1,6 @@
-"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite) and of
-sliding-window ones (Mistral, Qwen2 with windowed layers), built with transformers' own config classes: every
-weight randomised, 1-D ones included."""
+"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite, Gemma 2/3)
+and of sliding-window ones (Mistral, Qwen2 with windowed layers), built with transformers' own config classes:
+every weight randomised, 1-D ones included."""
 from __future__ import annotations
 
 import os
@@ -43,13 +43,31 @@ def tiny_config(arch: str):
     if arch == "qwen2_sliding":    # layer 0 full attention, layers 1-2 windowed (max_window_layers); qkv bias
         return tf.Qwen2Config(**common, intermediate_size=128, num_hidden_layers=3, use_sliding_window=True,
                               sliding_window=10, max_window_layers=1)
+    gemma = dict(common, tie_word_embeddings=True, intermediate_size=96, head_dim=32, sliding_window=12,
+                 query_pre_attn_scalar=24, pad_token_id=0)
+    if arch == "gemma2":     # sliding and global layers alternating, both soft caps
+        return tf.Gemma2Config(**gemma, num_hidden_layers=4, attn_logit_softcapping=20.0,
+                               final_logit_softcapping=15.0)
+    if arch == "gemma3":     # sliding layers with their own RoPE base, one global layer with linear RoPE scaling
+        return tf.Gemma3TextConfig(**gemma, num_hidden_layers=5, sliding_window_pattern=3, rope_local_base_freq=500.0,
+                                   rope_theta=20000.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                   final_logit_softcapping=25.0)
+    if arch == "gemma3_mm":  # the multimodal checkpoint: Gemma 3 text (as above) beside a tiny vision tower
+        vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=28, patch_size=14)
+        return tf.Gemma3Config(text_config=tiny_config("gemma3").to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                               boi_token_index=60000, eoi_token_index=60001, image_token_index=60002,
+                               eos_token_id=[2, 106])
     raise ValueError(arch)
 
 
-def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool = False):
+def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool = False,
+                    state_dict_names: bool = False):
     """Write a tiny random checkpoint + the SmolLM2 tokenizer to `path`; returns transformers' model (eager
     attention and experts), the oracle. stacked_experts: the experts saved as transformers holds them
-    (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) rather than one tensor per expert."""
+    (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) rather than one tensor per expert.
+    state_dict_names: every tensor saved under its name in transformers' state_dict, not the name save_pretrained
+    converts it to (a multimodal model's `model.language_model.*`, not `language_model.model.*`)."""
     import transformers as tf
     from safetensors.torch import save_file
 
@@ -69,9 +87,10 @@ def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool =
             else:
                 p.uniform_(0.6, 1.4)
     model.save_pretrained(path)
-    if stacked_experts:
+    if stacked_experts or state_dict_names:
         os.remove(os.path.join(path, "model.safetensors"))
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # stored once, as the embedding
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k not in tied},
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     builtin_tokenizer().save_pretrained(path)
     return model

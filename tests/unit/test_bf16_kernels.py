@@ -132,6 +132,7 @@ def test_fused_ops_in_bf16(rows):
 
     gate_up = torch.randn(rows, 2 * 40 + 8).bfloat16()[:, :80]   # a row-strided view
     _bf16_close(fused.silu_and_mul(gate_up), LayerOps.silu_and_mul(gate_up.float()))
+    _bf16_close(fused.gelu_tanh_and_mul(gate_up), LayerOps.gelu_tanh_and_mul(gate_up.float()))
 
 
 def test_fused_ops_refuse_mixed_dtypes():

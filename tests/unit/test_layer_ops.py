@@ -38,11 +38,12 @@ def test_rope_on_leading_heads_of_fused_projection(rows):
     assert torch.equal(got[:, v:], qkv[:, v:]), "v is not rotated"
 
 
-def test_silu_and_mul_on_a_row_strided_view():
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_act_and_mul_on_a_row_strided_view(op):
     torch.manual_seed(0)
-    wide = torch.randn(5, 2 * 40 + 8)
+    wide = torch.randn(5, 2 * 40 + 8) * 3
     gate_up = wide[:, :80]  # rows 88 apart: a view, as a split of a wider projection would be
-    torch.testing.assert_close(fused.silu_and_mul(gate_up), LayerOps.silu_and_mul(gate_up), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(getattr(fused, op)(gate_up), getattr(LayerOps, op)(gate_up), rtol=1e-6, atol=1e-6)
 
 
 def test_bad_input_is_rejected():

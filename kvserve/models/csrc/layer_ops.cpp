@@ -1,5 +1,5 @@
 // Fused element-wise steps of a decoder layer, for CPU float32 and bfloat16 (the role of vLLM's
-// fused_add_rms_norm, rotary_embedding and silu_and_mul custom ops). Each replaces 3-14 PyTorch calls; at
+// fused_add_rms_norm, rotary_embedding, silu_and_mul and gelu_tanh_and_mul custom ops). Each replaces 3-14 PyTorch calls; at
 // decode batch sizes a layer's element-wise work is tiny and the per-call dispatch cost is what these save.
 // bfloat16 tensors are read into float, computed in float and rounded once when stored (PyTorch's reference
 // rounds after every op: the fused result is the closer one to float32).
@@ -69,8 +69,17 @@ void rope_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor
   }
 }
 
-template <typename T>
-void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// PyTorch's gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+inline float gelu_tanh(float g) {
+  constexpr float kBeta = 0.7978845608028654f;
+  constexpr float kKappa = 0.044715f;
+  return 0.5f * g * (1.0f + std::tanh(kBeta * (g + kKappa * g * g * g)));
+}
+
+template <typename T, float (*Act)(float)>
+void act_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
   const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -80,10 +89,22 @@ void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
     const T* u = g + I;
     T* o = op + t * I;
     for (int64_t i = 0; i < I; ++i) {
-      const float gi = static_cast<float>(g[i]);
-      o[i] = static_cast<T>(gi / (1.0f + std::exp(-gi)) * static_cast<float>(u[i]));
+      o[i] = static_cast<T>(Act(static_cast<float>(g[i])) * static_cast<float>(u[i]));
     }
   }
+}
+
+// gate_up [T, 2I] -> act(gate) * up [T, I]
+template <float (*Act)(float)>
+torch::Tensor act_and_mul(const torch::Tensor& gate_up, const char* name) {
+  check_rows(gate_up, name);
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32) {
+    act_and_mul_impl<float, Act>(gate_up, out);
+  } else {
+    act_and_mul_impl<c10::BFloat16, Act>(gate_up, out);
+  }
+  return out;
 }
 
 }  // namespace
@@ -120,20 +141,15 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_
   }
 }
 
-// gate_up [T, 2I] -> silu(gate) * up [T, I]
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "silu_and_mul gate_up");
-  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  if (gate_up.scalar_type() == torch::kFloat32) {
-    silu_and_mul_impl<float>(gate_up, out);
-  } else {
-    silu_and_mul_impl<c10::BFloat16>(gate_up, out);
-  }
-  return out;
+torch::Tensor silu_and_mul(torch::Tensor gate_up) { return act_and_mul<silu>(gate_up, "silu_and_mul gate_up"); }
+
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  return act_and_mul<gelu_tanh>(gate_up, "gelu_tanh_and_mul gate_up");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * weight (in place)");
   m.def("rope_", &rope_, "rotate-half RoPE on the leading heads of each row (in place)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu(gate, approximate='tanh') * up (Gemma)");
 }
