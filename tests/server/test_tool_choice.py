@@ -184,20 +184,26 @@ REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c
             '{"name": "get_weather", "parameters": {"city": "Lyon", "unit": "celsius"}}]')
 
 
-def test_required_list_cut_by_max_tokens_answers_its_complete_calls_with_finish_reason_length(check_schema):
-    """Issue 34: a small model repeats calls until max_tokens cuts the list; that was answered as content."""
-    cut = REQUIRED[:REQUIRED.index("Lyon")]
-    body, chunks = run_scripted([cut], finish="length", tools=[WEATHER_TOOL], tool_choice="required")
+def _required_cut(text: str, check_schema):
+    """(whole choice, the openai client's rebuilt stream) of a "required" output cut by max_tokens at `text`:
+    finish_reason length, never content."""
+    body, chunks = run_scripted([text], finish="length", tools=[WEATHER_TOOL], tool_choice="required")
     check_schema("CreateChatCompletionResponse", body)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
-            ] == [("get_weather", {"city": "Paris", "unit": "celsius"})]
     for chunk in chunks:
         check_schema("CreateChatCompletionStreamResponse", chunk)
         assert not any(ch["delta"].get("content") for ch in chunk["choices"])
     rebuilt = accumulate(chunks, cut=True)
     assert rebuilt.finish_reason == "length" and not rebuilt.message.content
+    return choice, rebuilt
+
+
+def test_required_list_cut_by_max_tokens_answers_its_complete_calls_with_finish_reason_length(check_schema):
+    """Issue 34: a small model repeats calls until max_tokens cuts the list; that was answered as content."""
+    choice, rebuilt = _required_cut(REQUIRED[:REQUIRED.index("Lyon")], check_schema)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
+            ] == [("get_weather", {"city": "Paris", "unit": "celsius"})]
     # the stream announced the cut call too (its arguments as far as they came); the first one is whole
     assert [t.function.name for t in rebuilt.message.tool_calls] == ["get_weather", "get_weather"]
     assert json.loads(rebuilt.message.tool_calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
@@ -208,15 +214,8 @@ def test_required_list_cut_by_max_tokens_answers_its_complete_calls_with_finish_
 
 def test_required_list_cut_inside_its_first_call_answers_no_calls_and_no_content(check_schema):
     """vLLM's answer when not one call is complete: an empty call list, no content, finish_reason length."""
-    cut = REQUIRED[:REQUIRED.index("Paris")]
-    body, chunks = run_scripted([cut], finish="length", tools=[WEATHER_TOOL], tool_choice="required")
-    check_schema("CreateChatCompletionResponse", body)
-    choice = body["choices"][0]
-    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    choice, _ = _required_cut(REQUIRED[:REQUIRED.index("Paris")], check_schema)
     assert choice["message"]["tool_calls"] == []
-    for chunk in chunks:
-        check_schema("CreateChatCompletionStreamResponse", chunk)
-    assert accumulate(chunks, cut=True).finish_reason == "length" and not accumulate(chunks, cut=True).message.content
     body, chunks = run_scripted(["[{"], finish="length", tools=[WEATHER_TOOL], tool_choice="required")
     assert body["choices"][0]["message"] == {"role": "assistant", "content": None, "refusal": None, "tool_calls": []}
     rebuilt = accumulate(chunks, cut=True)
