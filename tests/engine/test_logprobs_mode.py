@@ -57,3 +57,10 @@ def test_logprobs_modes_raw_and_processed(tiny_llama, penalised, mode):
             assert entry[token].logprob - entry[top].logprob == pytest.approx(raw[token].logprob - raw_top.logprob,
                                                                                 abs=TOL)
     assert moved > 0, "the penalty never moved a greedy choice: the test shows nothing"
+
+
+def test_an_unknown_mode_is_refused_naming_the_modes(tiny_llama):
+    from kvserve import LLM
+
+    with pytest.raises(ValueError, match="raw_logprobs, raw_logits, processed_logprobs, processed_logits"):
+        LLM(tiny_llama[0], logprobs_mode="logits")
