@@ -261,4 +261,5 @@ def test_smollm2_required_always_answers_tool_calls(smollm2_client, check_schema
     assert [(c.function.name, c.function.arguments) for c in rebuilt.message.tool_calls][:len(whole)] == whole
     one = smollm2_client.chat.completions.create(**params, parallel_tool_calls=False).choices[0]
     assert one.finish_reason == "tool_calls" and one.message.content is None and len(one.message.tool_calls) == 1
-    jsonschema.validate(json.loads(one.message.tool_calls[0].function.arguments), OPENAI_WEATHER["function"]["parameters"])
+    jsonschema.validate(json.loads(one.message.tool_calls[0].function.arguments),
+                        OPENAI_WEATHER["function"]["parameters"])
