@@ -23,8 +23,8 @@ from collections.abc import Callable
 from kvserve.server.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, new_call_id
 
 ARGUMENT_KEYS = ("arguments", "parameters")
-# The head of a call object in the usual key order: the name, then the arguments' key.
 _BLANK = re.compile(r"\s*")
+# The head of a call object in the usual key order: the name, then the arguments' key.
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:')
 
 
