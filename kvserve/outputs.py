@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """One candidate token at one position: its log-probability under the model and its rank (1 = top)."""
+    """One candidate token at one position: its log-probability (or logit: `--logprobs-mode`) and its rank
+    (1 = top)."""
 
     logprob: float
     rank: int | None = None

@@ -23,6 +23,7 @@ from kvserve.config.quantization import QuantizationConfig
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.config.speculative import SpeculativeConfig
 from kvserve.kv_cache.quant import KV_CACHE_DTYPES
+from kvserve.sample.sampler import DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES
 from kvserve.utils.cli_args import add_dataclass_args, dataclass_from_args
 from kvserve.utils.sizes import parse_size
 
@@ -104,6 +105,13 @@ class EngineArgs:
         "help": "most of the KV pool that prompt-cache pins (cache_control) may hold; past it, new pins "
                 "are not made and requests still run"})
     max_logprobs: int = field(default=20, metadata={"help": "largest logprobs a request may ask for"})
+    logprobs_mode: str = field(default=DEFAULT_LOGPROBS_MODE, metadata={
+        "help": "what `logprobs` report (vLLM's flag): raw_logprobs / raw_logits: the model's own output, before "
+                "penalties, logit_bias, grammars and temperature; processed_logprobs / processed_logits: the "
+                "values the token was chosen from (after those, and top_k/top_p/min_p), so at temperature 0 the "
+                "chosen token is the top-1; default processed_logprobs (vLLM's is raw_logprobs); prompt "
+                "logprobs are always raw",
+        "choices": LOGPROBS_MODES})
     speculative_config: str | dict | None = field(default=DEFAULT_SPECULATIVE_CONFIG, metadata={
         "help": "speculative decoding, a JSON object as in vLLM's flag: {\"method\": \"ngram\" | \"draft_model\", "
                 "\"num_speculative_tokens\": K, \"prompt_lookup_min\": .., \"prompt_lookup_max\": .., "
@@ -150,6 +158,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         # NOTE: the configs that need no checkpoint validate themselves now, so a bad flag fails at once.
         SpeculativeConfig.parse(self.speculative_config)
         parse_override(self.override_generation_config)
@@ -198,7 +208,8 @@ class EngineArgs:
         """Resolve the flags into one config per concern (reads the model's config file, not its weights)."""
         device = DeviceConfig(DeviceConfig.resolve_device(self.device), self.attention_backend, self.num_threads,
                               self.enforce_eager)
-        model = ModelConfig.resolve(self.model, self.dtype, device.device, self.max_model_len, self.max_logprobs)
+        model = ModelConfig.resolve(self.model, self.dtype, device.device, self.max_model_len, self.max_logprobs,
+                                    logprobs_mode=self.logprobs_mode)
         quantization = self._quantization_config()
         quantization.check_source(model.source)
         speculative = SpeculativeConfig.parse(self.speculative_config)

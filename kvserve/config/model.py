@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from kvserve.sample.sampler import DEFAULT_LOGPROBS_MODE
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,6 +30,8 @@ class ModelConfig:
     """Largest `logprobs` a request may ask for."""
     served_name: str
     """The name outputs and the server report for this model."""
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE
+    """What sampled tokens' logprobs report (sample/sampler.py: LOGPROBS_MODES)."""
 
     @property
     def vocab_size(self) -> int:
@@ -35,7 +39,7 @@ class ModelConfig:
 
     @classmethod
     def resolve(cls, model: str | None, dtype: str, device: torch.device, max_model_len: int | None,
-                max_logprobs: int) -> "ModelConfig":
+                max_logprobs: int, *, logprobs_mode: str = DEFAULT_LOGPROBS_MODE) -> "ModelConfig":
         from kvserve.model_loader.loader import ModelSource, load_hf_config
         from kvserve.model_loader.architectures import resolve_architecture
 
@@ -44,7 +48,8 @@ class ModelConfig:
         architecture, _ = resolve_architecture(hf_config)
         stored = checkpoint_dtype(hf_config) if source.kind == "hf" else None
         return cls(source, hf_config, architecture, resolve_dtype(dtype, device, stored),
-                   resolve_max_model_len(hf_config, max_model_len), max_logprobs, model or "SmolLM2-135M-Instruct")
+                   resolve_max_model_len(hf_config, max_model_len), max_logprobs, model or "SmolLM2-135M-Instruct",
+                   logprobs_mode)
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype | None:

@@ -7,8 +7,8 @@ therefore describes prompt tokens s + 1 .. min(e, P - 1): a chunk that stops sho
 describes the next chunk's first token too (it is known: it is a prompt token). The logits at position
 P - 1 predict the first output token, which is the sampler's. The first prompt token has no entry.
 
-Like the sampler's logprobs, these are of the raw model distribution: log_softmax of the logits, before
-any logits processor, temperature or top-k/top-p.
+These are always of the raw model distribution (as vLLM's, whatever `--logprobs-mode` says for sampled
+tokens): log_softmax of the logits, before any logits processor, temperature or top-k/top-p.
 """
 from __future__ import annotations
 

@@ -1,7 +1,13 @@
 """Sampler: logits [B, vocab] -> one token per row (+ logprobs), following vLLM v1's sampler.
 
-Order: raw logprobs -> logit_bias -> min_tokens -> penalties -> (greedy: argmax) | (random: temperature
--> top_k -> top_p -> min_p -> exponential race).
+Order: logit_bias -> min_tokens -> penalties -> grammar -> (greedy: argmax) | (random: temperature -> top_k
+-> top_p -> min_p -> exponential race).
+
+Logprobs (vLLM's `--logprobs-mode`): `raw_*` describe the model's own logits, before any of that;
+`processed_*` the values the token was chosen from: after the processors, and for a sampled row after
+temperature and top_k/top_p/min_p too (masked tokens -inf). `*_logprobs` are log-softmaxed, `*_logits` not.
+Only the processed modes promise that a greedy row's token is their top-1 (a repetition penalty moves
+the argmax). Nothing is computed for a batch in which no row asked for logprobs.
 """
 from __future__ import annotations
 
@@ -11,6 +17,11 @@ import torch
 
 from kvserve.sample.metadata import SamplingMetadata
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# NOTE: vLLM's default is raw_logprobs; ours is processed (docs/features/sampling-defaults.md): the built-in
+# model's default repetition penalty would otherwise report, at temperature 0, a top-1 it did not choose.
+DEFAULT_LOGPROBS_MODE = "processed_logprobs"
+
 
 @dataclass
 class RowLogprobs:
@@ -18,8 +29,9 @@ class RowLogprobs:
 
     token_ids: list[int]
     logprobs: list[float]
+    """Logprobs or logits, as the sampler's logprobs mode says."""
     ranks: list[int]
-    """Rank of each token in the raw distribution (1 = most likely)."""
+    """Rank of each token in the reported distribution (1 = most likely)."""
 
 
 @dataclass
@@ -37,22 +49,31 @@ class Sampler:
     logits row, never on the other rows of the batch.
     """
 
+    def __init__(self, logprobs_mode: str = DEFAULT_LOGPROBS_MODE):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` [B, vocab] (not modified); advances seeded generators."""
         logits = logits.float()
-        # NOTE: logprobs describe the model's own distribution (vLLM's default "raw_logprobs").
-        raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+        wanted = meta.max_num_logprobs is not None
+        raw = self.logprobs_mode.startswith("raw")
+        reported = logits if wanted and raw else None  # NOTE: what follows works on copies of `logits`
         logits = self.apply_processors(logits, meta)
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)  # [B]
+            sampled, processed = logits.argmax(dim=-1), logits  # [B]
         else:
-            sampled = _random_sample(logits, meta)  # [B]
+            sampled, processed = _random_sample(logits, meta, keep_logits=wanted and not raw)  # [B]
             if not meta.all_random:
                 sampled = torch.where(meta.greedy_mask, logits.argmax(dim=-1), sampled)
         token_ids = sampled.tolist()
-        if raw_logprobs is None:
+        if not wanted:
             return SamplerOutput(token_ids, [None] * len(token_ids))
-        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, sampled, meta))
+        reported = processed if reported is None else reported
+        if self.logprobs_mode.endswith("_logprobs"):
+            reported = reported.log_softmax(dim=-1)
+        return SamplerOutput(token_ids, _gather_logprobs(reported, sampled, meta))
 
     @staticmethod
     def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -133,14 +154,20 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return logits.scatter_(1, sorted_idx, sorted_logits)
 
 
-def _random_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Temperature, top_k, top_p, min_p, then sample by an exponential race; returns [B] int64."""
+def _random_sample(logits: torch.Tensor, meta: SamplingMetadata,
+                   keep_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, top_k, top_p, min_p, then sample by an exponential race: ([B] int64, the logits the
+    tokens were drawn from, -inf where masked, if `keep_logits`, else None). Greedy rows' logits stay as
+    given (temperature 1, no masks)."""
     logits = logits / meta.temperature.unsqueeze(1)  # [B, vocab]; a copy, so `logits` stays intact
     logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = logits.softmax(dim=-1)  # [B, vocab]
     if meta.min_p is not None:
         threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
-        probs.masked_fill_(probs < threshold, 0.0)
+        below = probs < threshold
+        probs.masked_fill_(below, 0.0)
+        if keep_logits:
+            logits.masked_fill_(below, float("-inf"))
     # argmax(p / q), q ~ Exp(1), picks token i with probability p_i / sum(p): no renormalising needed.
     noise = torch.empty_like(probs)  # [B, vocab]
     if len(meta.generators) < probs.shape[0]:
@@ -150,15 +177,15 @@ def _random_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=generator)
     # A zero draw would make 0/0 = NaN, which argmax prefers over every number.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    return probs.div_(noise).argmax(dim=-1), logits if keep_logits else None
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
-                     meta: SamplingMetadata) -> list[RowLogprobs | None]:
-    """Sampled token's logprob and rank plus the top max_num_logprobs alternatives, cut per row."""
-    top_logprobs, top_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)  # [B, max_num_logprobs]
-    sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
-    sampled_ranks = (raw_logprobs >= sampled_logprobs).sum(dim=-1)  # [B]
+def _gather_logprobs(values: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> list[RowLogprobs | None]:
+    """Sampled token's value and rank plus the top max_num_logprobs alternatives in `values` [B, vocab]
+    (logprobs or logits), cut per row."""
+    top_logprobs, top_ids = values.topk(meta.max_num_logprobs, dim=-1)  # [B, max_num_logprobs]
+    sampled_logprobs = values.gather(1, sampled.unsqueeze(1))  # [B, 1]
+    sampled_ranks = (values >= sampled_logprobs).sum(dim=-1)  # [B]
     top_logprobs, top_ids = top_logprobs.tolist(), top_ids.tolist()
     sampled_logprobs, sampled_ranks = sampled_logprobs.squeeze(1).tolist(), sampled_ranks.tolist()
     sampled_ids = sampled.tolist()

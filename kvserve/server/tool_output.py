@@ -17,11 +17,10 @@ def tool_message(plan: ToolPlan, text: str) -> ChatResponseMessage:
     if plan.parser is None:
         return ChatResponseMessage(content=text)
     parsed = plan.parser.extract(text)
-    calls = parsed.tool_calls[:plan.max_calls]
-    return ChatResponseMessage(
-        content=parsed.content,
-        tool_calls=[ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
-                    for c in calls] or None)
+    calls = [ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
+             for c in parsed.tool_calls[:plan.max_calls]]
+    # NOTE: "required" answers a list even when max_tokens cut its first call: [] and no content, as vLLM.
+    return ChatResponseMessage(content=parsed.content, tool_calls=calls or ([] if plan.mode == "required" else None))
 
 
 class ToolDeltas:

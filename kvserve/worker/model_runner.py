@@ -16,7 +16,7 @@ from kvserve.core_types import ModelRunnerOutput, SchedulerOutput
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sample.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
-from kvserve.sample.sampler import Sampler
+from kvserve.sample.sampler import DEFAULT_LOGPROBS_MODE, Sampler
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.worker.cuda_graph import CudaGraphRunner
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
@@ -29,7 +29,7 @@ from kvserve.worker.step_inputs import StepInputs, build_step_inputs
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, max_num_reqs: int,
                  max_model_len: int, device: torch.device, proposer: Proposer | None = None,
-                 lora: LoRAManager | None = None, samples: bool = True):
+                 lora: LoRAManager | None = None, samples: bool = True, logprobs_mode: str = DEFAULT_LOGPROBS_MODE):
         self.model = model
         self.samples = samples
         """False on a tensor-parallel follower rank: it runs the forward pass and the LM head (their
@@ -50,7 +50,7 @@ class ModelRunner:
         self.prompt_logprob_req_ids: set[str] = set()
         """Requests that asked for prompt logprobs and still have prompt positions to describe: the only
         ones a step looks at for them (a batch without any pays nothing)."""
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.cuda_graphs: CudaGraphRunner | None = None
         """Decode-only steps by graph replay (CUDA, unless --enforce-eager): set by the worker after capture."""
         self.forward_s = 0.0

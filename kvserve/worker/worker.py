@@ -175,7 +175,7 @@ class Worker:
         proposer = self._make_proposer(num_blocks)
         self.runner = ModelRunner(self.model, self.backend, spec, self.config.scheduler.max_num_seqs,
                                   self.config.model.max_model_len, self.device, proposer, self.lora,
-                                  samples=self.is_driver)
+                                  samples=self.is_driver, logprobs_mode=self.config.model.logprobs_mode)
         max_len = self.config.model.max_model_len
         if self._use_cuda_graphs():
             graphs = CudaGraphRunner(self.model, self.backend, self.runner.kv_caches,

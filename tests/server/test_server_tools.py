@@ -225,3 +225,41 @@ def test_smollm2_weather_question_with_a_weather_tool(smollm2_client, check_sche
     print(f"SmolLM2, named get_weather: {call.function.arguments}")
     assert named.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), GET_WEATHER["function"]["parameters"])
+
+
+# OpenAI's own weather example: unbounded strings (with it SmolLM2 repeats its call in a "required" list)
+OPENAI_WEATHER = tool("get_weather", {"type": "object", "properties": {
+    "location": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["location"]}, description="Get the current weather in a given location")
+
+
+@pytest.mark.slow  # NOTE: the real SmolLM2 behind the server
+@pytest.mark.parametrize("sampling", [{"seed": 0}, {"temperature": 0}], ids=["served-defaults", "greedy"])
+def test_smollm2_required_always_answers_tool_calls(smollm2_client, check_schema, sampling):
+    """Issue 34: with this tool SmolLM2 repeats its call until max_tokens (the built-in default, 50) cuts the
+    list; that was answered as content. Now: the complete calls, finish_reason "length"; parallel_tool_calls
+    false: one call that closes the list."""
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    params = dict(model=smollm2_client.models.list().data[0].id, messages=messages, tools=[OPENAI_WEATHER],
+                  tool_choice="required", **sampling)
+    raw = smollm2_client.chat.completions.with_raw_response.create(**params)
+    check_schema("CreateChatCompletionResponse", raw.http_response.json())
+    choice = raw.parse().choices[0]
+    print(f"\nSmolLM2, required ({sampling}): finish_reason={choice.finish_reason} "
+          f"tool_calls={[(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]}")
+    assert choice.message.content is None and choice.message.tool_calls
+    assert choice.finish_reason in ("tool_calls", "length")
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), OPENAI_WEATHER["function"]["parameters"])
+    chunks = [c.to_dict() for c in smollm2_client.chat.completions.create(**params, stream=True)]
+    for chunk in chunks:
+        check_schema("CreateChatCompletionStreamResponse", chunk)
+    rebuilt = accumulate(chunks, cut=choice.finish_reason == "length")
+    assert rebuilt.finish_reason == choice.finish_reason and not rebuilt.message.content
+    whole = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in rebuilt.message.tool_calls][:len(whole)] == whole
+    one = smollm2_client.chat.completions.create(**params, parallel_tool_calls=False).choices[0]
+    assert one.finish_reason == "tool_calls" and one.message.content is None and len(one.message.tool_calls) == 1
+    jsonschema.validate(json.loads(one.message.tool_calls[0].function.arguments),
+                        OPENAI_WEATHER["function"]["parameters"])

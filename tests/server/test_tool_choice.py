@@ -178,3 +178,45 @@ def test_tool_choice_none_never_parses_and_a_cut_call_keeps_finish_reason_length
     check_schema("CreateChatCompletionResponse", body)
     assert body["choices"][0]["finish_reason"] == "length"
     assert accumulate(chunks, cut=True).finish_reason == "length"
+
+
+REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+            '{"name": "get_weather", "parameters": {"city": "Lyon", "unit": "celsius"}}]')
+
+
+def _required_cut(text: str, check_schema):
+    """(whole choice, the openai client's rebuilt stream) of a "required" output cut by max_tokens at `text`:
+    finish_reason length, never content."""
+    body, chunks = run_scripted([text], finish="length", tools=[WEATHER_TOOL], tool_choice="required")
+    check_schema("CreateChatCompletionResponse", body)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    for chunk in chunks:
+        check_schema("CreateChatCompletionStreamResponse", chunk)
+        assert not any(ch["delta"].get("content") for ch in chunk["choices"])
+    rebuilt = accumulate(chunks, cut=True)
+    assert rebuilt.finish_reason == "length" and not rebuilt.message.content
+    return choice, rebuilt
+
+
+def test_required_list_cut_by_max_tokens_answers_its_complete_calls_with_finish_reason_length(check_schema):
+    """Issue 34: a small model repeats calls until max_tokens cuts the list; that was answered as content."""
+    choice, rebuilt = _required_cut(REQUIRED[:REQUIRED.index("Lyon")], check_schema)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
+            ] == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    # the stream announced the cut call too (its arguments as far as they came); the first one is whole
+    assert [t.function.name for t in rebuilt.message.tool_calls] == ["get_weather", "get_weather"]
+    assert json.loads(rebuilt.message.tool_calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
+    whole, _ = run_scripted([REQUIRED], tools=[WEATHER_TOOL], tool_choice="required")
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert len(whole["choices"][0]["message"]["tool_calls"]) == 2
+
+
+def test_required_list_cut_inside_its_first_call_answers_no_calls_and_no_content(check_schema):
+    """vLLM's answer when not one call is complete: an empty call list, no content, finish_reason length."""
+    choice, _ = _required_cut(REQUIRED[:REQUIRED.index("Paris")], check_schema)
+    assert choice["message"]["tool_calls"] == []
+    body, chunks = run_scripted(["[{"], finish="length", tools=[WEATHER_TOOL], tool_choice="required")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": None, "refusal": None, "tool_calls": []}
+    rebuilt = accumulate(chunks, cut=True)
+    assert not rebuilt.message.content and not rebuilt.message.tool_calls

@@ -29,9 +29,9 @@ def _rows(params: SamplingParams, n: int, **kw) -> list[SamplingRow]:
                         kw.get("eos", ())) for _ in range(n)]
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]):
+def _sample(logits: torch.Tensor, rows: list[SamplingRow], logprobs_mode: str = "raw_logprobs"):
     meta = SamplingMetadata.build(rows, logits.shape[-1], CPU)
-    return Sampler()(logits, meta)
+    return Sampler(logprobs_mode)(logits, meta)
 
 
 def _draw_counts(params: SamplingParams, logits: torch.Tensor, num_calls: int = 4) -> torch.Tensor:
@@ -320,3 +320,66 @@ def test_logprobs_are_raw_sorted_and_ranked():
                                    raw[i, lp.token_ids], rtol=0, atol=1e-5)
     assert out.sampled_token_ids[2] == 0  # the bias steers sampling, but not the reported logprobs
     assert out.logprobs[2].logprobs[0] == pytest.approx(raw[2, 0].item(), abs=1e-5)
+
+
+def _chosen_from(logits: torch.Tensor, params: SamplingParams, seen: list[int]) -> torch.Tensor:
+    """One row's processed logits by hand: repetition penalty (CTRL), temperature, top_k (greedy: neither)."""
+    out = logits.clone().double()
+    for t in set(seen):
+        out[t] = out[t] / params.repetition_penalty if out[t] > 0 else out[t] * params.repetition_penalty
+    if params.temperature == 0:
+        return out
+    out = out / params.temperature
+    if params.top_k > 0:
+        out[out < out.topk(params.top_k).values[-1]] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes_report_raw_or_processed_values(mode):
+    """vLLM's --logprobs-mode. Issue 34: at temperature 0 with a repetition penalty the raw top-1 need not be the
+    chosen token; the processed modes report the values the token was chosen from, so there it always is."""
+    vocab = 32
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    prompt, output = [1, 2, 3], [4, 5]
+    # the penalised tokens lead the raw distribution, so the penalty moves the greedy choice
+    logits[:, prompt + output] += 10.0
+    params = [SamplingParams(logprobs=4, temperature=0.0, repetition_penalty=8.0),
+              SamplingParams(logprobs=4, temperature=0.7, top_k=5, repetition_penalty=8.0),
+              SamplingParams(logprobs=2, temperature=0.0)]
+    rows = [SamplingRow(p, prompt, output, None) for p in params]
+    out = _sample(logits, rows, mode)
+    for i, p in enumerate(params):
+        expected = logits[i].double() if mode.startswith("raw") else _chosen_from(logits[i], p, prompt + output)
+        if mode.endswith("_logprobs"):
+            expected = expected.log_softmax(dim=-1)
+        lp = out.logprobs[i]
+        got = torch.tensor(lp.logprobs, dtype=torch.float64)
+        want = expected[lp.token_ids]
+        finite = want.isfinite()
+        torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=1e-4)
+        assert (got[~finite] == float("-inf")).all()
+        assert lp.token_ids[1:] == expected.argsort(descending=True)[:p.logprobs].tolist()
+        assert lp.ranks[0] == int((expected >= expected[out.sampled_token_ids[i]]).sum())
+    greedy = [0, 2]
+    for i in greedy:
+        lp = out.logprobs[i]
+        assert (lp.token_ids[0] == lp.token_ids[1]) == (mode.startswith("processed") or i == 2), mode
+    assert out.logprobs[0].token_ids[0] not in prompt + output  # the penalty moved the greedy choice
+    if mode.startswith("processed"):  # the sampled row drew from its top_k: its other tokens are -inf
+        assert out.logprobs[1].ranks[0] <= 5 and out.logprobs[1].logprobs[-1] > float("-inf")
+
+
+def test_logprobs_mode_does_not_change_tokens():
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=t, seed=7 + i, top_p=0.8, min_p=0.05, repetition_penalty=1.3, logprobs=3)
+              for i, t in enumerate([0.0, 0.5, 1.0, 0.0, 1.5, 0.9])]
+    tokens = set()
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+        rows = [SamplingRow(p, [1, 2], [3], torch.Generator().manual_seed(p.seed)) for p in params]
+        out = _sample(logits, rows, mode)
+        tokens.add(tuple(out.sampled_token_ids))
+        assert all(lp.logprobs[0] > float("-inf") for lp in out.logprobs)  # a token is drawn from what is left
+    assert len(tokens) == 1
+    with pytest.raises(ValueError, match="raw_logprobs, raw_logits, processed_logprobs, processed_logits"):
+        Sampler("logits")

@@ -162,19 +162,43 @@ def test_required_and_named_parsers():
     for pieces in splits(text):
         assert streamed(required, pieces) == ("", [("f", {"a": 1}), ("g", {})])
     for bad in ('[{"name": "f", "parameters": {"a"', "not json", "[]", '[{"parameters": {}}]'):
-        assert required.extract(bad).content == bad and not required.extract(bad).tool_calls
+        assert required.extract(bad).content is None and not required.extract(bad).tool_calls
         s = required.streamer()
         deltas = [s.feed(ch) for ch in bad] + [s.finish()]
+        assert not any(d.content for d in deltas)  # "required" never answers content
         if '"name"' in bad:  # announced before it broke: the stream keeps the call (it cannot take it back)
             assert [c.name for d in deltas for c in d.calls if c.name] == ["f"]
         else:
-            assert "".join(d.content for d in deltas) == bad and not any(d.calls for d in deltas)
+            assert not any(d.calls for d in deltas)
     named = NamedCallParser("get_weather")
     args = '{"city":"Paris"}'
     assert whole(named, args) == ("", [("get_weather", {"city": "Paris"})])
     assert named.extract(args).tool_calls[0].arguments == args
     for pieces in splits(args):
         assert streamed(named, pieces) == ("", [("get_weather", {"city": "Paris"})])
+
+
+def test_required_list_cut_anywhere_gives_its_complete_calls_never_content():
+    """max_tokens can cut a "required" list anywhere: the whole answer is the calls that closed before the cut
+    (issue 34: it was the cut text as content); the stream's calls start with those, the same."""
+    calls = [("get_weather", {"location": "Paris", "unit": "celsius"}), ("noop", {}), ("f", {"a": [1, "]}"]})]
+    text = "[" + ", ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls) + "]"
+    closes = [text.index(json.dumps({"name": n, "parameters": a})) + len(json.dumps({"name": n, "parameters": a}))
+              for n, a in calls]
+    required = RequiredCallsParser()
+    for cut in range(len(text) + 1):
+        prefix = text[:cut]
+        complete = calls[:sum(end <= cut for end in closes)]
+        parsed = required.extract(prefix)
+        assert parsed.content is None and whole(required, prefix) == ("", complete), prefix
+        s = required.streamer()
+        merged = StreamDelta()
+        for piece in (prefix[:cut // 2], prefix[cut // 2:]):
+            merged.extend(s.feed(piece))
+        merged.extend(s.finish())
+        assert not merged.content
+        names = [c.name for c in merged.calls if c.name]
+        assert names[:len(complete)] == [n for n, _ in complete] and len(names) <= len(complete) + 1
 
 
 # ---- registry, inference, flags -----------------------------------------------------------------

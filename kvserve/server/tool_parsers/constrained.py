@@ -2,12 +2,12 @@
 
 Named function: the whole output is the function's arguments (a JSON object of its parameters schema).
 "required": the output is a JSON list of `{"name": ..., "parameters": {...}}` (vLLM's shape). Neither
-looks at tags: the grammar leaves the model no room for them.
+looks at tags, and neither ever answers content: the grammar leaves the model no room for anything else.
 """
 from __future__ import annotations
 
 from kvserve.server.tool_parsers.base import ParsedMessage, StreamDelta, ToolCall, ToolCallDelta, new_call_id
-from kvserve.server.tool_parsers.json_calls import CallsValue, parse_calls
+from kvserve.server.tool_parsers.json_calls import CallsValue, parse_calls, parse_complete_calls
 
 
 class NamedCallParser:
@@ -43,47 +43,38 @@ class _NamedStreamer:
 
 
 class RequiredCallsParser:
-    """The output is a JSON list of calls. Output that is not one (a truncated list) is content."""
+    """The output is a JSON list of calls, never content: the grammar allows nothing else. A list cut short
+    (max_tokens) gives its complete calls, possibly none (vLLM then answers no calls and no content too)."""
 
     name = "required"
 
     def extract(self, text: str) -> ParsedMessage:
         calls = parse_calls(text)
-        if not calls:
-            return ParsedMessage(text, [])
-        return ParsedMessage(None, calls)
+        return ParsedMessage(None, parse_complete_calls(text) if calls is None else calls)
 
     def streamer(self) -> "_RequiredStreamer":
         return _RequiredStreamer()
 
 
 class _RequiredStreamer:
+    """Calls as they are generated; a cut list ends with the calls announced so far (the last one's arguments
+    as far as they came: a stream cannot take them back)."""
+
     def __init__(self) -> None:
         self.num_calls = 0
         self.value = CallsValue(self._next_index)
-        self.raw = ""  # everything so far, sent as content if no call ever came of it
-        self.as_content = False
 
     def _next_index(self) -> int:
         self.num_calls += 1
         return self.num_calls - 1
 
     def feed(self, text: str) -> StreamDelta:
-        if self.as_content:
-            return StreamDelta(content=text)
-        self.raw += text
         if self.value.done or self.value.failed:
             return StreamDelta()  # NOTE: after the list: nothing the grammar allows
         delta, _ = self.value.feed(text)
-        if self.value.failed and not self.num_calls:
-            self.as_content = True
-            return StreamDelta(content=self.raw)
         return delta
 
     def finish(self) -> StreamDelta:
-        if self.as_content:
+        if self.value.done or self.value.failed:
             return StreamDelta()
-        delta = StreamDelta() if self.value.done else self.value.finish()
-        if not self.num_calls:
-            return StreamDelta(content=self.raw)
-        return delta
+        return self.value.finish()

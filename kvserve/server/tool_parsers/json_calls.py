@@ -23,6 +23,7 @@ from collections.abc import Callable
 from kvserve.server.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, new_call_id
 
 ARGUMENT_KEYS = ("arguments", "parameters")
+_BLANK = re.compile(r"\s*")
 # The head of a call object in the usual key order: the name, then the arguments' key.
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:')
 
@@ -48,6 +49,30 @@ def parse_calls(text: str) -> list[ToolCall] | None:
     if any(c is None for c in calls):
         return None
     return [ToolCall(name, args) for name, args in calls]
+
+
+def parse_complete_calls(text: str) -> list[ToolCall]:
+    """The calls that closed in `text`, a list of calls cut short (by max_tokens): `[{...}, {...}, {"na` ->
+    the first two. Parsing stops at the first item that is not a whole call."""
+    decoder = json.JSONDecoder()
+    text = text.lstrip()
+    if not text.startswith("["):
+        return []
+    calls: list[ToolCall] = []
+    pos = _BLANK.match(text, 1).end()
+    while True:
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return calls
+        call = _call_of(item)
+        if call is None:
+            return calls
+        calls.append(ToolCall(*call))
+        pos = _BLANK.match(text, pos).end()
+        if not text.startswith(",", pos):
+            return calls
+        pos = _BLANK.match(text, pos + 1).end()
 
 
 class _ValueEnd:
