@@ -33,6 +33,8 @@ class ArchFeatures:
     logits_scaling from the config."""
     tensor_parallel: bool = True
     """False where a layer needs the whole projection on one rank (OLMoE's full-width q/k norm)."""
+    mla: bool = False
+    """DeepSeek-V2/V3: Multi-head Latent Attention over a latent KV cache, DeepSeek's routing (models/deepseek.py)."""
 
 
 _MOE = dict(moe=True)
@@ -50,6 +52,8 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
     "GraniteMoeForCausalLM": ArchFeatures(multipliers=True, moe_prefix="block_sparse_moe", router_name="router.layer",
                                           stacked_expert_names=("input_linear.weight", "output_linear.weight"),
                                           **_MOE),
+    "DeepseekV2ForCausalLM": ArchFeatures(mla=True, tensor_parallel=False, **_MOE),
+    "DeepseekV3ForCausalLM": ArchFeatures(mla=True, tensor_parallel=False, **_MOE),
 }
 
 
@@ -75,9 +79,15 @@ def moe_intermediate_size(hf_config) -> int:
 
 def moe_layer_indices(hf_config, feats: ArchFeatures) -> set[int]:
     """The decoder layers whose MLP is sparse, as transformers' Qwen2-MoE/Qwen3-MoE decide: not in
-    mlp_only_layers and (index + 1) a multiple of decoder_sparse_step (every layer when neither is set)."""
+    mlp_only_layers and (index + 1) a multiple of decoder_sparse_step (every layer when neither is set);
+    DeepSeek's: from first_k_dense_replace on, every moe_layer_freq-th (transformers reads no moe_layer_freq:
+    released checkpoints all say 1)."""
     if not feats.moe or num_experts(hf_config) == 0:
         return set()
+    if feats.mla:
+        first, freq = int(getattr(hf_config, "first_k_dense_replace", None) or 0), \
+            int(getattr(hf_config, "moe_layer_freq", None) or 1)
+        return {i for i in range(hf_config.num_hidden_layers) if i >= first and i % freq == 0}
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     step = int(getattr(hf_config, "decoder_sparse_step", None) or 1)
     return {i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0}

@@ -35,6 +35,30 @@ def tiny_config(arch: str):
     if arch == "granite":    # the four multipliers
         return tf.GraniteConfig(**common, intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
                                 attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
+    if arch.startswith("deepseek"):
+        return _tiny_deepseek(arch, common)
+    raise ValueError(arch)
+
+
+def _tiny_deepseek(arch: str, common: dict):
+    """DeepSeek-V2 (q_proj, group-limited greedy routing over softmax, yarn RoPE with mscale) and -V3 (q LoRA,
+    noaux_tc: sigmoid + correction bias, renormalised, top-2-sum group scores); layer 0 dense, a shared expert,
+    routed_scaling_factor != 1, MLA with kv_lora_rank 32."""
+    import transformers as tf
+
+    mla = dict(num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32,
+               qk_nope_head_dim=16, v_head_dim=16)
+    common = {**common, "num_key_value_heads": None}
+    if arch == "deepseek_v2":
+        return tf.DeepseekV2Config(**common, **mla, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                   routed_scaling_factor=1.5, q_lora_rank=None, qk_rope_head_dim=8,
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                    "original_max_position_embeddings": 256, "mscale": 1.0,
+                                                    "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1})
+    if arch == "deepseek_v3":
+        return tf.DeepseekV3Config(**common, **mla, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                   q_lora_rank=24, qk_rope_head_dim=16, norm_topk_prob=True)
     raise ValueError(arch)
 
 
@@ -60,6 +84,9 @@ def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool =
                 p.normal_(0, 0.1)
             else:
                 p.uniform_(0.6, 1.4)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias, large enough to change choices
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
     model.save_pretrained(path)
     if stacked_experts:
         os.remove(os.path.join(path, "model.safetensors"))
