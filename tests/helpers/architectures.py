@@ -94,3 +94,45 @@ def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool =
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     builtin_tokenizer().save_pretrained(path)
     return model
+
+
+
+@torch.inference_mode()
+def chosen_experts(engine, hf, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sparse layer, the experts (sorted, [T, k]) each prompt token picks: ours (one paged forward through
+    `engine`), then transformers' (`hf`: each architecture's TopKRouter / TopkRouter returns (logits, weights,
+    expert ids))."""
+    from kvserve.layers.moe_router import select_experts
+    from tests.helpers.oracles import hf_logits, paged_logits
+
+    ours, theirs, hooks, wrapped = [], [], [], []
+    for layer in engine.core.executor.worker.runner.model.layers:
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        gate = layer.mlp.gate
+        # NOTE: our model calls forward/select, not __call__ (no hooks): they are wrapped instead
+        if hasattr(gate, "select"):  # a router that selects itself (DeepSeek's grouped top-k)
+            def select(logits, inner=gate.select):
+                weights, ids = inner(logits)
+                ours.append(ids.sort(-1).values)
+                return weights, ids
+            gate.select, name = select, "select"
+        else:  # softmax top-k of the router logits
+            def forward(x, inner=gate.forward, k=layer.mlp.experts.top_k):
+                logits = inner(x)
+                ours.append(select_experts(logits, k, False)[1].sort(-1).values)
+                return logits
+            gate.forward, name = forward, "forward"
+        wrapped.append((gate, name))
+    for module in hf.modules():
+        if type(module).__name__.lower().endswith("topkrouter"):
+            hooks.append(module.register_forward_hook(lambda m, i, out: theirs.append(out[2].sort(-1).values)))
+    try:
+        paged_logits(engine, [(tokens, 0, len(tokens))])
+        hf_logits(hf, tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+        for gate, name in wrapped:
+            delattr(gate, name)
+    return ours, theirs
