@@ -76,8 +76,9 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
     tied = getattr(getattr(model, "lm_head", None), "tied", False)
     seen: set[str] = set()
     unexpected = []
+    skips = getattr(model, "skips_checkpoint_tensor", None)  # what a model knows it does not use
     for name, tensor in tensors:
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES) or (skips is not None and skips(name)):
             continue
         if name == "lm_head.weight" and tied:
             continue  # tied checkpoints sometimes store the shared matrix twice

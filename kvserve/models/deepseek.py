@@ -17,6 +17,7 @@ Tensor parallelism is refused (architectures.py: tensor_parallel False): the lat
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ from kvserve.models.layer_ops import LayerOps
 from kvserve.models.llama import MLP, RMSNorm, RotaryEmbedding
 
 _LATENT_NORM_EPS = 1e-6
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def softmax_scale(cfg) -> float:
@@ -133,12 +135,16 @@ class DeepseekMoE(nn.Module):
         self.gate = GroupedTopKRouter(cfg.hidden_size, experts, deepseek_rule(cfg))
         self.experts = FusedMoE(experts, cfg.num_experts_per_tok, cfg.hidden_size, width, False, shard.rank,
                                 shard.size, shard.all_reduce)
-        shared = int(getattr(cfg, "n_shared_experts", None) or 0)
-        self.shared_experts = MLP(cfg.hidden_size, width * shared, method, shard) if shared else None
+        # NOTE: transformers builds (and saves) the shared MLP even with n_shared_experts 0: zero-width tensors,
+        # loaded and never run (dense: a packed or quantized method takes no empty weight)
+        shared = getattr(cfg, "n_shared_experts", None)
+        self.shared_experts = (MLP(cfg.hidden_size, width * shared, method if shared else DenseMethod(), shard)
+                               if shared is not None else None)
+        self.has_shared = bool(shared)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         out = self.experts.forward(x, self.gate.forward(x), ops.silu_and_mul, select=self.gate.select)
-        if self.shared_experts is not None:
+        if self.has_shared:
             out = out + self.shared_experts.forward(x, ops)
         return out
 
@@ -194,3 +200,9 @@ class DeepseekForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)                                           # [N, vocab] float32
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """DeepSeek-V3's multi-token-prediction layers, stored after the decoder's (model.layers.{n}. and on
+        with n = num_hidden_layers): transformers drops them too; nothing here drafts with them yet."""
+        found = _LAYER_INDEX.match(name)
+        return found is not None and int(found.group(1)) >= self.config.num_hidden_layers

@@ -65,6 +65,22 @@ def test_every_checkpoint_tensor_is_consumed(checkpoint):
     assert ("model.layers.2.mlp.gate.e_score_correction_bias" in names) == (arch == "deepseek_v3")
 
 
+def test_multi_token_prediction_layers_are_skipped(tmp_path):
+    """A V3 checkpoint with its MTP layer (model.layers.{num_hidden_layers}.*, as DeepSeek ships it) loads, the
+    extra layer unused; a stray tensor of a real layer is still an error."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_checkpoint(str(tmp_path), "deepseek_v3", seed=5)
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    n = hf.config.num_hidden_layers
+    save_file({**tensors, f"model.layers.{n}.eh_proj.weight": torch.zeros(4, 4)}, file, metadata={"format": "pt"})
+    assert_logits_match_hf(_engine(str(tmp_path)), hf, mixed_batch(seed=6)[:2], atol=1e-4, rtol=1e-4)
+    save_file({**tensors, "model.layers.0.eh_proj.weight": torch.zeros(4, 4)}, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected tensors in checkpoint: model.layers.0.eh_proj.weight"):
+        _engine(str(tmp_path))
+
+
 def test_latent_kv_cache_holds_one_vector_per_token_and_layer(checkpoint):
     """bytes/token = layers x (kv_lora_rank + qk_rope_head_dim) x 4 (float32), not 2 x layers x heads x dims."""
     _, path, hf = checkpoint
@@ -88,6 +104,18 @@ def test_logits_and_chosen_experts_match_transformers(checkpoint):
         assert torch.equal(got, want)
     assert_logits_match_hf(engine, hf, batch, atol=1e-4, rtol=1e-4)
     assert engine.block_pool.counts()["in_use"] == 0
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2_greedy", "deepseek_v3_rotate_half"])
+def test_other_shapes_and_options_match_transformers(tmp_path, arch):
+    hf = make_checkpoint(str(tmp_path), arch, seed=7)
+    engine = _engine(str(tmp_path))
+    batch = mixed_batch(seed=8)
+    ours, theirs = chosen_experts(engine, hf, batch[0][0])
+    assert len(ours) == len(theirs) == (1 if arch == "deepseek_v2_greedy" else 2)
+    for got, want in zip(ours, theirs):
+        assert torch.equal(got, want)
+    assert_logits_match_hf(engine, hf, batch, atol=1e-4, rtol=1e-4)
 
 
 def test_correction_bias_changes_the_choice(checkpoint):

@@ -59,6 +59,22 @@ def _tiny_deepseek(arch: str, common: dict):
     if arch == "deepseek_v3":
         return tf.DeepseekV3Config(**common, **mla, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                                    q_lora_rank=24, qk_rope_head_dim=16, norm_topk_prob=True)
+    # Other shapes: 3 heads, v_head_dim != qk_nope_head_dim, 6 experts, k=3, attention biases
+    other = dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=48, num_hidden_layers=2,
+                 intermediate_size=40, moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=3,
+                 kv_lora_rank=20, qk_nope_head_dim=12, v_head_dim=10, attention_bias=True)
+    common = {**common, **other}
+    if arch == "deepseek_v2_greedy":  # plain softmax top-k, q LoRA, two shared experts' width, scaling < 1
+        return tf.DeepseekV2Config(**common, topk_method="greedy", q_lora_rank=16, qk_rope_head_dim=4,
+                                   n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=0.7)
+    if arch == "deepseek_v3_rotate_half":  # rope_interleave False, yarn with mscale != mscale_all_dim (RoPE
+        # tables scaled too), tied embeddings, every layer sparse, no shared expert (zero-width tensors saved)
+        return tf.DeepseekV3Config(**{**common, "tie_word_embeddings": True}, rope_interleave=False,
+                                   q_lora_rank=None, qk_rope_head_dim=6, n_group=3, topk_group=2,
+                                   first_k_dense_replace=0, n_shared_experts=0, norm_topk_prob=False,
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 8.0,
+                                                    "original_max_position_embeddings": 64, "mscale": 0.707,
+                                                    "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
     raise ValueError(arch)
 
 
