@@ -200,6 +200,14 @@ def test_what_mla_refuses_is_named(checkpoint, kwargs, message):
         _engine(path, **kwargs)
 
 
+def test_dummy_weights_serve(checkpoint):
+    """--load-format dummy (benchmarks without a checkpoint): every parameter filled, the latent path runs."""
+    _, path, _ = checkpoint
+    engine = _engine(path, load_format="dummy")
+    engine.add_request("0", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(run_to_completion(engine)["0"].outputs[0].token_ids) == 4
+
+
 def test_tensor_parallelism_is_refused():
     from kvserve.config.parallel import ParallelConfig
     from kvserve.model_loader.loader import normalize_config
