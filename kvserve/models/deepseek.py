@@ -24,15 +24,14 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.mla import mla_decode, mla_prefill, write_latent
-from kvserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.layers.linear import ReplicatedLinear
 from kvserve.layers.linear_methods import DenseMethod, LinearMethod
 from kvserve.layers.moe import FusedMoE
 from kvserve.layers.moe_router import GroupedTopKRouter, deepseek_rule
 from kvserve.layers.parallel import ShardContext
-from kvserve.model_loader.architectures import ArchFeatures, moe_layer_indices, num_experts
+from kvserve.model_loader.architectures import ArchFeatures, num_experts
 from kvserve.models.layer_ops import LayerOps
-from kvserve.models.llama import MLP, RMSNorm, RotaryEmbedding
+from kvserve.models.llama import MLP, LlamaForCausalLM, RMSNorm
 
 _LATENT_NORM_EPS = 1e-6
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
@@ -168,38 +167,21 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp.forward(x, ops), residual
 
 
-class DeepseekForCausalLM(nn.Module):
-    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM: the same interface as llama.LlamaForCausalLM."""
+class DeepseekForCausalLM(LlamaForCausalLM):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM: llama.LlamaForCausalLM (embeddings, final norm, the RoPE
+    tables, LM head, forward) with DeepSeek's decoder layers."""
 
     def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend, max_positions: int,
                  method: LinearMethod, shard: ShardContext = ShardContext(), head_method: LinearMethod | None = None):
-        super().__init__()
         if shard.size > 1:
             raise ValueError("DeepSeek (MLA) models do not run with tensor parallelism yet")
-        self.config, self.feats, self.backend = cfg, feats, backend
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard.rank, shard.size,
-                                                   shard.all_reduce)
-        sparse = moe_layer_indices(cfg, feats)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, method, shard, i in sparse)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg, max_positions)
-        tied = self.embed_tokens if getattr(cfg, "tie_word_embeddings", False) else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, head_method or method, tied, shard.rank,
-                                      shard.size, shard.all_gather)
-        self.ops: LayerOps = LayerOps()
+        super().__init__(cfg, feats, backend, max_positions, method, shard, head_method)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                                      # [T, hidden]
-        rope_cos_sin = self.rope(positions, x.dtype)                          # each [T, R]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, rope_cos_sin, kv_cache, attn_meta, self.ops)
-        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)                                           # [N, vocab] float32
+    @staticmethod
+    def make_layer(cfg, feats: ArchFeatures, backend: AttentionBackend, method: LinearMethod, shard: ShardContext,
+                   sparse: bool, sliding_window: int | None) -> nn.Module:
+        # NOTE: MLA layers attend through attention/mla.py (the worker's MLABackend lays out their cache)
+        return DeepseekDecoderLayer(cfg, method, shard, sparse)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """DeepSeek-V3's multi-token-prediction layers, stored after the decoder's (model.layers.{n}. and on
