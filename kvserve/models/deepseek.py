@@ -151,6 +151,8 @@ class DeepseekMoE(nn.Module):
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg, method: LinearMethod, shard: ShardContext, sparse: bool):
         super().__init__()
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError("DeepSeek-V2 with mlp_bias (biased MLP projections) is not supported yet")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg, method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

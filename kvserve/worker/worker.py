@@ -71,6 +71,9 @@ class Worker:
 
     def load_model(self) -> None:
         quantized_kv = is_quantized(resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.config.model.dtype))
+        draft = self.config.draft_model
+        if draft is not None and resolve_architecture(draft.hf_config)[1].mla:
+            raise ValueError("an MLA (DeepSeek) model as the draft model is not supported yet")
         if resolve_architecture(self.config.model.hf_config)[1].mla:
             self.backend = self._mla_backend(quantized_kv)
         else:

@@ -200,6 +200,12 @@ def test_what_mla_refuses_is_named(checkpoint, kwargs, message):
         _engine(path, **kwargs)
 
 
+def test_draft_model_beside_or_as_mla_is_refused(checkpoint):
+    _, path, _ = checkpoint
+    with pytest.raises(ValueError, match="draft model"):
+        _engine(path, speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+
+
 def test_dummy_weights_serve(checkpoint):
     """--load-format dummy (benchmarks without a checkpoint): every parameter filled, the latent path runs."""
     _, path, _ = checkpoint
