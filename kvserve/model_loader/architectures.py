@@ -85,8 +85,8 @@ def moe_layer_indices(hf_config, feats: ArchFeatures) -> set[int]:
     if not feats.moe or num_experts(hf_config) == 0:
         return set()
     if feats.mla:
-        first, freq = int(getattr(hf_config, "first_k_dense_replace", None) or 0), \
-            int(getattr(hf_config, "moe_layer_freq", None) or 1)
+        first = int(getattr(hf_config, "first_k_dense_replace", None) or 0)
+        freq = int(getattr(hf_config, "moe_layer_freq", None) or 1)
         return {i for i in range(hf_config.num_hidden_layers) if i >= first and i % freq == 0}
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     step = int(getattr(hf_config, "decoder_sparse_step", None) or 1)
