@@ -51,8 +51,8 @@ class ParallelConfig:
 
         arch, feats = resolve_architecture(hf_config)
         if not feats.tensor_parallel:
-            why = "its latent attention is not sharded" if feats.mla else "its q/k norm spans every head"
-            raise ValueError(f"{arch} does not run with tensor parallelism yet ({why}): use tensor_parallel_size 1")
+            raise ValueError(f"{arch} does not run with tensor parallelism yet (its q/k norm spans every head): "
+                             "use tensor_parallel_size 1")
         names = ["intermediate_size", "vocab_size"]
         if feats.moe:  # experts split over their intermediate dimension (layers/moe.py)
             names += ["moe_intermediate_size", "shared_expert_intermediate_size"]

@@ -52,8 +52,8 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
     "GraniteMoeForCausalLM": ArchFeatures(multipliers=True, moe_prefix="block_sparse_moe", router_name="router.layer",
                                           stacked_expert_names=("input_linear.weight", "output_linear.weight"),
                                           **_MOE),
-    "DeepseekV2ForCausalLM": ArchFeatures(mla=True, tensor_parallel=False, **_MOE),
-    "DeepseekV3ForCausalLM": ArchFeatures(mla=True, tensor_parallel=False, **_MOE),
+    "DeepseekV2ForCausalLM": ArchFeatures(mla=True, **_MOE),
+    "DeepseekV3ForCausalLM": ArchFeatures(mla=True, **_MOE),
 }
 
 

@@ -12,7 +12,8 @@ Follows transformers' modeling_deepseek_v2 / modeling_deepseek_v3 (v5.24):
   mscale(factor, mscale_all_dim)^2 for a scaled RoPE.
 - The two q/kv latent norms use eps 1e-6 (transformers builds them without the config's rms_norm_eps).
 
-Tensor parallelism is refused (architectures.py: tensor_parallel False): the latent projections are replicated.
+Tensor parallelism splits the attention heads (MLAttention), the experts' and MLPs' intermediate dimension, the
+vocabulary; each rank holds the whole latent cache.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.mla import mla_decode, mla_prefill, write_latent
-from kvserve.layers.linear import ReplicatedLinear
+from kvserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kvserve.layers.linear_methods import DenseMethod, LinearMethod
 from kvserve.layers.moe import FusedMoE
 from kvserve.layers.moe_router import GroupedTopKRouter, deepseek_rule
@@ -57,28 +58,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg, method: LinearMethod):
+    """Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj column-parallel (their rows are
+    head-major), o_proj row-parallel; the latent projections, their norms and so the cache are whole on every
+    rank."""
+
+    def __init__(self, cfg, method: LinearMethod, shard: ShardContext):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
+        heads = cfg.num_attention_heads
+        if heads % shard.size:
+            raise ValueError(f"tensor_parallel_size {shard.size} does not divide {heads} attention heads")
+        self.num_heads = heads // shard.size                                   # this rank's
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.latent_dim = self.kv_lora_rank + self.rope_dim
         """The cache's vector per token (worker.kv_cache_spec reads it)."""
         qk = self.nope + self.rope_dim
         bias = bool(getattr(cfg, "attention_bias", False))
-        h, heads = cfg.hidden_size, self.num_heads
+        h, tp = cfg.hidden_size, (shard.rank, shard.size)
         self.q_lora_rank = getattr(cfg, "q_lora_rank", None)
         if self.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(h, heads * qk, False, method)
+            self.q_proj = ColumnParallelLinear(h, heads * qk, False, method, *tp)
         else:
             self.q_a_proj = ReplicatedLinear(h, self.q_lora_rank, bias, method)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = ReplicatedLinear(self.q_lora_rank, heads * qk, False, method)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk, False, method, *tp)
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.latent_dim, bias, method)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS)
         # NOTE: always dense: its weight is read as W_UK / W_UV by the absorbed decode
-        self.kv_b_proj = ReplicatedLinear(self.kv_lora_rank, heads * (self.nope + self.v_dim), False, DenseMethod())
-        self.o_proj = ReplicatedLinear(heads * self.v_dim, h, bias, method)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_dim), False,
+                                              DenseMethod(), *tp)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, h, bias, method, *tp, shard.all_reduce)
         self.scale = softmax_scale(cfg)
         self.interleaved = getattr(cfg, "model_type", "") == "deepseek_v2" or bool(getattr(cfg, "rope_interleave",
                                                                                              True))
@@ -154,7 +163,7 @@ class DeepseekDecoderLayer(nn.Module):
         if getattr(cfg, "mlp_bias", False):
             raise ValueError("DeepSeek-V2 with mlp_bias (biased MLP projections) is not supported yet")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, method)
+        self.self_attn = MLAttention(cfg, method, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (DeepseekMoE(cfg, method, shard) if sparse
                     else MLP(cfg.hidden_size, cfg.intermediate_size, method, shard))
@@ -172,12 +181,6 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekForCausalLM(LlamaForCausalLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM: llama.LlamaForCausalLM (embeddings, final norm, the RoPE
     tables, LM head, forward) with DeepSeek's decoder layers."""
-
-    def __init__(self, cfg, feats: ArchFeatures, backend: AttentionBackend, max_positions: int,
-                 method: LinearMethod, shard: ShardContext = ShardContext(), head_method: LinearMethod | None = None):
-        if shard.size > 1:
-            raise ValueError("DeepSeek (MLA) models do not run with tensor parallelism yet")
-        super().__init__(cfg, feats, backend, max_positions, method, shard, head_method)
 
     @staticmethod
     def make_layer(cfg, feats: ArchFeatures, backend: AttentionBackend, method: LinearMethod, shard: ShardContext,

@@ -217,7 +217,7 @@ class Worker:
             scales = (f" + {spec.scale_size} B scale per block of {spec.block_size}; "
                       f"{plain.bytes_per_block / spec.bytes_per_block:.2f}x the tokens of a "
                       f"{dtype_name(plain.dtype)} cache")
-        if self.shard.size > 1:
+        if self.shard.size > 1 and not spec.latent:  # a latent (MLA) cache is whole on every rank
             logger.info("tensor parallel rank %d of %d: this rank's KV cache holds %d of the model's %d KV heads "
                         "(the figures below are this rank's)", self.shard.rank, self.shard.size, spec.num_kv_heads,
                         self.config.model.hf_config.num_key_value_heads)

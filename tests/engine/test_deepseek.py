@@ -7,7 +7,8 @@ routed_scaling_factor != 1, every 1-D weight randomised.
 Compared: the experts each token picks (before the logits), the logits of a mixed batch through the latent
 cache (absorbed decodes, decompressed prefill chunks over gathered context), greedy tokens through chunked
 prefill, a prefix-cache hit on the latent cache, preemption and n-gram speculation, block invariants after
-every step; the cache's size (one latent vector per token and layer) and what MLA refuses.
+every step; the cache's size (one latent vector per token and layer) and what MLA refuses. Tensor parallelism:
+tests/e2e/test_deepseek_tp.py.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.model_loader.weight_loader import expected_tensors
 from kvserve.sampling_params import SamplingParams
-from tests.helpers.architectures import chosen_experts, make_checkpoint, tiny_config
+from tests.helpers.architectures import chosen_experts, make_checkpoint
 from tests.helpers.engine import run_last_after_prefix, run_to_completion
 from tests.helpers.oracles import (
     assert_logits_match_hf,
@@ -212,16 +213,6 @@ def test_dummy_weights_serve(checkpoint):
     engine = _engine(path, load_format="dummy")
     engine.add_request("0", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(run_to_completion(engine)["0"].outputs[0].token_ids) == 4
-
-
-def test_tensor_parallelism_is_refused():
-    from kvserve.config.parallel import ParallelConfig
-    from kvserve.model_loader.loader import normalize_config
-
-    cfg = normalize_config(tiny_config("deepseek_v3"))
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
-    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM does not run with tensor parallelism"):
-        ParallelConfig(tensor_parallel_size=2).check_model(cfg)
 
 
 def test_bf16_model_keeps_its_routers_float32(checkpoint):

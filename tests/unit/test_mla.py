@@ -10,6 +10,7 @@ from kvserve.attention.backend import CommonAttentionMetadata
 from kvserve.attention.mla import MLABackend, mla_decode, write_latent
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.layers.linear_methods import DenseMethod
+from kvserve.layers.parallel import ShardContext
 from kvserve.models.deepseek import MLAttention, apply_rope
 from tests.helpers.architectures import tiny_config
 from tests.helpers.oracles import dense_decode
@@ -18,7 +19,7 @@ BS = 4
 
 
 def _layer(arch: str, seed: int) -> MLAttention:
-    layer = MLAttention(tiny_config(arch), DenseMethod())
+    layer = MLAttention(tiny_config(arch), DenseMethod(), ShardContext())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in layer.parameters():
