@@ -23,12 +23,7 @@ from kvserve.model_loader.weight_loader import expected_tensors
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.architectures import chosen_experts, make_checkpoint
 from tests.helpers.engine import run_last_after_prefix, run_to_completion
-from tests.helpers.oracles import (
-    assert_logits_match_hf,
-    hf_greedy,
-    mixed_batch,
-    paged_logits,
-)
+from tests.helpers.oracles import assert_logits_match_hf, hf_greedy, hf_logits, mixed_batch, paged_logits
 
 ARCHS = ("deepseek_v2", "deepseek_v3")
 
@@ -213,6 +208,20 @@ def test_dummy_weights_serve(checkpoint):
     engine = _engine(path, load_format="dummy")
     engine.add_request("0", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(run_to_completion(engine)["0"].outputs[0].token_ids) == 4
+
+
+def test_int8_quantizes_the_projections_but_not_kv_b(checkpoint):
+    """--quantization int8: the q/kv-latent/o projections and MLPs are int8; kv_b_proj stays dense (the absorbed
+    decode reads its weight as W_UK / W_UV); the logits point where transformers' do (int8 rounding: not equal)."""
+    _, path, hf = checkpoint
+    engine = _engine(path, quantization="int8", quantization_group_size=-1)  # V3 q_lora_rank 24: per channel
+    attn = _model(engine).layers[0].self_attn
+    assert attn.kv_b_proj.method.name == "dense"
+    assert attn.kv_a_proj_with_mqa.method.name == attn.o_proj.method.name == "int8"
+    batch = mixed_batch(seed=9)[2:5]  # decodes and a one-token prompt
+    for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
+        ref = hf_logits(hf, tokens[:ctx + q])[ctx:ctx + q]
+        assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.99
 
 
 def test_bf16_model_keeps_its_routers_float32(checkpoint):

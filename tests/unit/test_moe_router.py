@@ -6,13 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.layers.moe_router import (
-    GroupedTopK,
-    GroupedTopKRouter,
-    deepseek_rule,
-    grouped_topk,
-    select_experts,
-)
+from kvserve.layers.moe_router import GroupedTopK, GroupedTopKRouter, deepseek_rule, grouped_topk, select_experts
 
 H, E = 32, 16
 
