@@ -135,11 +135,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: t
         else:
             kv = gather(flat, p.gather_idx, q.dtype)                         # [S, 2, Hkv, D]
             ks, vs = kv[:, 0], kv[:, 1]
-        # NOTE: 4-D [1, H, L, D] views: with 3-D inputs torch's CPU SDPA takes its math path (bmm +
-        # softmax + masking ops), 2-2.5x slower than the flash kernel that 4-D inputs get.
-        qs, ks, vs = (x.unsqueeze(0).transpose(1, 2) for x in (q[rows], ks, vs))
-        for t in p.tiles:
-            keys = slice(t.key_start, t.num_keys)
-            o = sdpa(qs[:, :, t.start:t.end], ks[:, :, keys], vs[:, :, keys], t.mask, scale, soft_cap,
-                     is_causal=t.mask is None)
-            out[p.q_start + t.start:p.q_start + t.end] = o[0].transpose(0, 1)
+        chunk_attention(p, q[rows], ks, vs, out, scale, soft_cap)
+
+
+def chunk_attention(p: PrefillChunk, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, out: torch.Tensor,
+                    scale: float, soft_cap: float | None = None) -> None:
+    """One chunk's query rows q [q_len, Hq, D] over its keys ks [S, Hkv, D] and values vs [S, Hkv, Dv] (S: the
+    positions from p.first_key on), tile by tile, into its rows of `out` [T, Hq, Dv]."""
+    # NOTE: 4-D [1, H, L, D] views: with 3-D inputs torch's CPU SDPA takes its math path (bmm +
+    # softmax + masking ops), 2-2.5x slower than the flash kernel that 4-D inputs get.
+    qs, ks, vs = (x.unsqueeze(0).transpose(1, 2) for x in (q, ks, vs))
+    for t in p.tiles:
+        keys = slice(t.key_start, t.num_keys)
+        o = sdpa(qs[:, :, t.start:t.end], ks[:, :, keys], vs[:, :, keys], t.mask, scale, soft_cap,
+                 is_causal=t.mask is None)
+        out[p.q_start + t.start:p.q_start + t.end] = o[0].transpose(0, 1)

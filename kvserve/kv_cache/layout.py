@@ -30,8 +30,14 @@ class KVCacheSpec:
     scale_dtype: torch.dtype | None = None
     """The scales' type for a quantized cache (int8/fp8: one per block, KV head and K/V); None: the values are
     stored as they are."""
+    latent: bool = False
+    """MLA (attention/mla.py): one latent vector of head_dim elements per token and layer, not K and V
+    (num_kv_heads 1)."""
 
     def __post_init__(self) -> None:
+        if self.latent and (self.num_kv_heads != 1 or self.scale_dtype is not None):
+            raise ValueError("a latent (MLA) KV cache holds one unquantized vector per token: num_kv_heads 1, "
+                             "no scales")
         if (self.scale_dtype is None) == is_quantized(self.dtype):
             raise ValueError(f"a {self.dtype} KV cache {'needs' if is_quantized(self.dtype) else 'takes no'} "
                              f"scale_dtype, got {self.scale_dtype}")
@@ -51,7 +57,10 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """2 (K and V) x layers x kv_heads x (block_size x head_dim x element size + scale size): scales included."""
+        """2 (K and V) x layers x kv_heads x (block_size x head_dim x element size + scale size): scales included;
+        a latent cache: layers x block_size x head_dim x element size."""
+        if self.latent:
+            return self.num_layers * self.block_size * self.head_dim * self.element_size
         return kv_bytes(self.num_layers, self.num_kv_heads, self.head_dim * self.block_size, self.element_size,
                         self.scale_size)
 

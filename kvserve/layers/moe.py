@@ -22,6 +22,7 @@ from torch import nn
 
 import kvserve.envs as envs
 from kvserve.layers.linear import _copy
+from kvserve.layers.moe_router import select_experts
 
 
 def expert_params_mapping(num_experts: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
@@ -43,23 +44,13 @@ def expert_params_mapping(num_experts: int, names: tuple[str, str, str] = ("gate
     return mapping
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64): softmax in float32, the
-    k largest, divided by their sum when `renormalize` (config `norm_topk_prob`; Mixtral always)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
 def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 SiluAndMul = Callable[[torch.Tensor], torch.Tensor]
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -126,8 +117,13 @@ class FusedMoE(nn.Module):
                                requires_grad=False)                           # [E, H, I]
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
-                silu_and_mul: SiluAndMul = _silu_and_mul) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+                silu_and_mul: SiluAndMul = _silu_and_mul, select: Router | None = None) -> torch.Tensor:
+        """`select`: router logits -> (weights, expert ids) where the model routes otherwise than by softmax top-k
+        (layers/moe_router.py: DeepSeek's grouped top-k)."""
+        if select is None:
+            weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = select(router_logits)
         out = _IMPLS[self.impl](x, self.w13, self.w2, weights, ids, silu_and_mul)
         return self.reduce(out) if self.reduce is not None else out
 

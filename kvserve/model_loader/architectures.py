@@ -35,12 +35,15 @@ class ArchFeatures:
     tensor_parallel: bool = True
     """False where a layer needs the whole projection on one rank (OLMoE's full-width q/k norm)."""
     network: str = "llama"
-    """Which network models/build.py builds: "llama" (models/llama.py) or "gemma" (models/gemma.py)."""
+    """Which network models/build.py builds: "llama" (models/llama.py), "gemma" (models/gemma.py) or "deepseek"
+    (models/deepseek.py)."""
     attn_soft_cap: bool = False
     """Gemma 2: attention scores soft-capped at config.attn_logit_softcapping (transformers' Gemma 3 ignores it)."""
     multimodal_text: bool = False
     """A multimodal checkpoint served as text only (Gemma3ForConditionalGeneration): the network is built from
     its config's text_config (served_config), and only its text tensors are loaded (weight_loader.py)."""
+    mla: bool = False
+    """DeepSeek-V2/V3: Multi-head Latent Attention over a latent KV cache, DeepSeek's routing (models/deepseek.py)."""
 
 
 _MOE = dict(moe=True)
@@ -61,6 +64,8 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
     "Gemma2ForCausalLM": ArchFeatures(network="gemma", attn_soft_cap=True),
     "Gemma3ForCausalLM": ArchFeatures(network="gemma", qk_norm=True),
     "Gemma3ForConditionalGeneration": ArchFeatures(network="gemma", qk_norm=True, multimodal_text=True),
+    "DeepseekV2ForCausalLM": ArchFeatures(network="deepseek", mla=True, **_MOE),
+    "DeepseekV3ForCausalLM": ArchFeatures(network="deepseek", mla=True, **_MOE),
 }
 
 
@@ -103,9 +108,15 @@ def moe_intermediate_size(hf_config) -> int:
 
 def moe_layer_indices(hf_config, feats: ArchFeatures) -> set[int]:
     """The decoder layers whose MLP is sparse, as transformers' Qwen2-MoE/Qwen3-MoE decide: not in
-    mlp_only_layers and (index + 1) a multiple of decoder_sparse_step (every layer when neither is set)."""
+    mlp_only_layers and (index + 1) a multiple of decoder_sparse_step (every layer when neither is set);
+    DeepSeek's: from first_k_dense_replace on, every moe_layer_freq-th (transformers reads no moe_layer_freq:
+    released checkpoints all say 1)."""
     if not feats.moe or num_experts(hf_config) == 0:
         return set()
+    if feats.mla:
+        first = int(getattr(hf_config, "first_k_dense_replace", None) or 0)
+        freq = int(getattr(hf_config, "moe_layer_freq", None) or 1)
+        return {i for i in range(hf_config.num_hidden_layers) if i >= first and i % freq == 0}
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     step = int(getattr(hf_config, "decoder_sparse_step", None) or 1)
     return {i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0}

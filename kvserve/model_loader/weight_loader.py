@@ -83,10 +83,11 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
     multimodal = getattr(getattr(model, "feats", None), "multimodal_text", False)
     seen: set[str] = set()
     unexpected = []
+    skips = getattr(model, "skips_checkpoint_tensor", None)  # what a model knows it does not use
     for name, tensor in tensors:
         if multimodal:
             name = _text_name(name)
-        if name is None or name.endswith(_IGNORED_SUFFIXES):
+        if name is None or name.endswith(_IGNORED_SUFFIXES) or (skips is not None and skips(name)):
             continue
         if name == "lm_head.weight" and tied:
             continue  # tied checkpoints sometimes store the shared matrix twice

@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
                                                    shard.all_reduce)
         sparse = moe_layer_indices(cfg, feats)
         windows = layer_sliding_windows(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, feats, backend, method, shard, i in sparse, windows[i])
+        self.layers = nn.ModuleList(self.make_layer(cfg, feats, backend, method, shard, i in sparse, windows[i])
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
@@ -203,6 +203,13 @@ class LlamaForCausalLM(nn.Module):
         # Granite: embeddings multiplied, logits divided (None elsewhere: no extra op)
         self.embedding_multiplier = cfg.embedding_multiplier if feats.multipliers else None
         self.logits_scaling = cfg.logits_scaling if feats.multipliers else None
+
+    @staticmethod
+    def make_layer(cfg, feats: ArchFeatures, backend: AttentionBackend, method: LinearMethod, shard: ShardContext,
+                   sparse: bool, sliding_window: int | None) -> nn.Module:
+        """One decoder layer: forward(x, residual, rope_cos_sin, kv_cache, attn_meta, ops) -> (x, residual).
+        A network that differs only in its layers subclasses this model (models/deepseek.py)."""
+        return DecoderLayer(cfg, feats, backend, method, shard, sparse, sliding_window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta) -> torch.Tensor:

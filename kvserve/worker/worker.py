@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import CommonAttentionMetadata
+from kvserve.attention.mla import MLABackend
 from kvserve.attention.registry import make_backend
 from kvserve.config.engine import EngineConfig
 from kvserve.config.model import ModelConfig
@@ -25,6 +26,7 @@ from kvserve.layers.linear_methods import default_method
 from kvserve.layers.lora import LoRABatch, LoRAMethod
 from kvserve.layers.parallel import ShardContext
 from kvserve.layers.quant import check_layers, make_head_method, make_linear_method, step_cost_knee, weight_bytes
+from kvserve.model_loader.architectures import resolve_architecture
 from kvserve.model_loader.dummy import initialize_dummy_weights
 from kvserve.model_loader.loader import iter_checkpoint_tensors
 from kvserve.model_loader.weight_loader import load_weights
@@ -69,7 +71,13 @@ class Worker:
 
     def load_model(self) -> None:
         quantized_kv = is_quantized(resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.config.model.dtype))
-        self.backend = make_backend(self.config.device.attention_backend, self.device.type, quantized_kv)
+        draft = self.config.draft_model
+        if draft is not None and resolve_architecture(draft.hf_config)[1].mla:
+            raise ValueError("an MLA (DeepSeek) model as the draft model is not supported yet")
+        if resolve_architecture(self.config.model.hf_config)[1].mla:
+            self.backend = self._mla_backend(quantized_kv)
+        else:
+            self.backend = make_backend(self.config.device.attention_backend, self.device.type, quantized_kv)
         lora = self.config.lora
         batch = LoRABatch() if lora is not None else None
         self.model = self._load(self.config.model, batch)
@@ -77,6 +85,21 @@ class Worker:
             self.lora = LoRAManager(self.model, batch, lora, self.config.model.hf_config, self.device)
         if self.config.draft_model is not None and self.is_driver:
             self.draft_model = self._load(self.config.draft_model, shard=ShardContext())
+
+    def _mla_backend(self, quantized_kv: bool) -> MLABackend:
+        """An MLA model's layers attend through their own latent-cache op (attention/mla.py) whatever
+        --attention-backend says; what that op does not combine with yet is refused here, by name."""
+        if quantized_kv:
+            raise ValueError("the MLA latent KV cache is not quantized yet: use --kv-cache-dtype auto")
+        if self.config.draft_model is not None:
+            raise ValueError("a draft model beside an MLA model is not supported yet (its KV cache layout differs); "
+                             "use ngram speculation")
+        if self.config.lora is not None:
+            raise ValueError("LoRA adapters on an MLA (DeepSeek) model are not supported yet")
+        if self.config.device.attention_backend not in ("auto", "torch_ref"):
+            logger.info("MLA layers attend through their latent-cache op, not --attention-backend %s",
+                        self.config.device.attention_backend)
+        return MLABackend()
 
     def _load(self, mc: ModelConfig, lora_batch: LoRABatch | None = None,
               shard: ShardContext | None = None) -> LlamaForCausalLM:
@@ -121,6 +144,10 @@ class Worker:
         model = model or self.model
         attn = model.layers[0].self_attn
         dtype = resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.config.model.dtype)
+        latent = getattr(attn, "latent_dim", None)
+        if latent is not None:  # MLA: one latent vector per token and layer (attention/mla.py)
+            return KVCacheSpec(model.config.num_hidden_layers, num_blocks, self.config.cache.block_size, 1, latent,
+                               dtype, latent=True)
         return KVCacheSpec(model.config.num_hidden_layers, num_blocks, self.config.cache.block_size,
                            attn.num_kv_heads, attn.head_dim, dtype, SCALE_DTYPE if is_quantized(dtype) else None)
 
@@ -190,16 +217,18 @@ class Worker:
             scales = (f" + {spec.scale_size} B scale per block of {spec.block_size}; "
                       f"{plain.bytes_per_block / spec.bytes_per_block:.2f}x the tokens of a "
                       f"{dtype_name(plain.dtype)} cache")
-        if self.shard.size > 1:
+        if self.shard.size > 1 and not spec.latent:  # a latent (MLA) cache is whole on every rank
             logger.info("tensor parallel rank %d of %d: this rank's KV cache holds %d of the model's %d KV heads "
                         "(the figures below are this rank's)", self.shard.rank, self.shard.size, spec.num_kv_heads,
                         self.config.model.hf_config.num_key_value_heads)
+        per_token = (f"{spec.num_layers} layers x {spec.head_dim} latent x {spec.element_size} B" if spec.latent else
+                     f"2 x {spec.num_layers} layers x {spec.num_kv_heads} kv_heads x ({spec.head_dim} head_dim x "
+                     f"{spec.element_size} B{scales})")
         logger.info(
             "KV cache (%s): %d blocks x %d tokens = %d tokens, %d bytes (%.2f GiB); %g bytes/token "
-            "= 2 x %d layers x %d kv_heads x (%d head_dim x %d B%s); max concurrency at max_model_len %d: %.2fx",
+            "= %s; max concurrency at max_model_len %d: %.2fx",
             dtype_name(spec.dtype), spec.num_blocks, spec.block_size, spec.num_tokens, spec.num_bytes,
-            spec.num_bytes / 2**30, spec.bytes_per_token, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-            spec.element_size, scales, max_len, spec.num_tokens / max_len)
+            spec.num_bytes / 2**30, spec.bytes_per_token, per_token, max_len, spec.num_tokens / max_len)
         return spec
 
     def _use_cuda_graphs(self) -> bool:

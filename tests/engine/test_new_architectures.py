@@ -19,10 +19,9 @@ import torch
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
-from kvserve.layers.moe import select_experts
 from kvserve.model_loader.weight_loader import expected_tensors
 from kvserve.sampling_params import SamplingParams
-from tests.helpers.architectures import make_checkpoint, tiny_config
+from tests.helpers.architectures import chosen_experts, make_checkpoint, tiny_config
 from tests.helpers.engine import run_last_after_prefix, run_to_completion
 from tests.helpers.oracles import hf_greedy, hf_logits, mixed_batch, paged_logits
 
@@ -59,39 +58,11 @@ def test_every_checkpoint_tensor_is_consumed(checkpoint):
     assert any(t.expert for t in expected_tensors(model).values()) == (arch in MOE_ARCHS)
 
 
-@torch.inference_mode()
-def _chosen_experts(engine: Engine, hf, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per sparse layer, the experts (sorted, [T, k]) each prompt token picks: ours, then transformers'."""
-    ours, theirs, hooks = [], [], []
-    gates = [layer.mlp.gate for layer in engine.core.executor.worker.runner.model.layers
-             if hasattr(layer.mlp, "experts")]
-    for layer in engine.core.executor.worker.runner.model.layers:
-        if hasattr(layer.mlp, "experts"):
-            # NOTE: our model calls forward, not __call__ (no hooks): the router's forward is wrapped instead
-            def recording(x, gate=layer.mlp.gate, forward=layer.mlp.gate.forward, k=layer.mlp.experts.top_k):
-                logits = forward(x)
-                ours.append(select_experts(logits, k, False)[1].sort(-1).values)
-                return logits
-            layer.mlp.gate.forward = recording
-    for module in hf.modules():  # each architecture's TopKRouter returns (logits, weights, expert ids)
-        if type(module).__name__.endswith("TopKRouter"):
-            hooks.append(module.register_forward_hook(lambda m, i, out: theirs.append(out[2].sort(-1).values)))
-    try:
-        paged_logits(engine, [(tokens, 0, len(tokens))])
-        hf_logits(hf, tokens)
-    finally:
-        for h in hooks:
-            h.remove()
-        for gate in gates:
-            del gate.forward
-    return ours, theirs
-
-
 def test_logits_and_chosen_experts_match_transformers(checkpoint):
     arch, path, hf = checkpoint
     engine = _engine(path)
     batch = mixed_batch(seed=sum(map(ord, arch)))
-    ours, theirs = _chosen_experts(engine, hf, batch[0][0])
+    ours, theirs = chosen_experts(engine, hf, batch[0][0])
     assert len(ours) == len(theirs) and bool(ours) == (arch in MOE_ARCHS)
     for got, want in zip(ours, theirs):
         assert torch.equal(got, want)

@@ -58,6 +58,46 @@ def tiny_config(arch: str):
         return tf.Gemma3Config(text_config=tiny_config("gemma3").to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
                                boi_token_index=60000, eoi_token_index=60001, image_token_index=60002,
                                eos_token_id=[2, 106])
+    if arch.startswith("deepseek"):
+        return _tiny_deepseek(arch, common)
+    raise ValueError(arch)
+
+
+def _tiny_deepseek(arch: str, common: dict):
+    """DeepSeek-V2 (q_proj, group-limited greedy routing over softmax, yarn RoPE with mscale) and -V3 (q LoRA,
+    noaux_tc: sigmoid + correction bias, renormalised, top-2-sum group scores); layer 0 dense, a shared expert,
+    routed_scaling_factor != 1, MLA with kv_lora_rank 32."""
+    import transformers as tf
+
+    mla = dict(num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32,
+               qk_nope_head_dim=16, v_head_dim=16)
+    common = {**common, "num_key_value_heads": None}
+    if arch == "deepseek_v2":
+        return tf.DeepseekV2Config(**common, **mla, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                   routed_scaling_factor=1.5, q_lora_rank=None, qk_rope_head_dim=8,
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                    "original_max_position_embeddings": 256, "mscale": 1.0,
+                                                    "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1})
+    if arch == "deepseek_v3":
+        return tf.DeepseekV3Config(**common, **mla, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                   q_lora_rank=24, qk_rope_head_dim=16, norm_topk_prob=True)
+    # Other shapes: 3 heads, v_head_dim != qk_nope_head_dim, 6 experts, k=3, attention biases
+    other = dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=48, num_hidden_layers=2,
+                 intermediate_size=40, moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=3,
+                 kv_lora_rank=20, qk_nope_head_dim=12, v_head_dim=10, attention_bias=True)
+    common = {**common, **other}
+    if arch == "deepseek_v2_greedy":  # plain softmax top-k, q LoRA, two shared experts' width, scaling < 1
+        return tf.DeepseekV2Config(**common, topk_method="greedy", q_lora_rank=16, qk_rope_head_dim=4,
+                                   n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=0.7)
+    if arch == "deepseek_v3_rotate_half":  # rope_interleave False, yarn with mscale != mscale_all_dim (RoPE
+        # tables scaled too), tied embeddings, every layer sparse, no shared expert (zero-width tensors saved)
+        return tf.DeepseekV3Config(**{**common, "tie_word_embeddings": True}, rope_interleave=False,
+                                   q_lora_rank=None, qk_rope_head_dim=6, n_group=3, topk_group=2,
+                                   first_k_dense_replace=0, n_shared_experts=0, norm_topk_prob=False,
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 8.0,
+                                                    "original_max_position_embeddings": 64, "mscale": 0.707,
+                                                    "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
     raise ValueError(arch)
 
 
@@ -86,6 +126,9 @@ def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool =
                 p.normal_(0, 0.1)
             else:
                 p.uniform_(0.6, 1.4)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias, large enough to change choices
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
     model.save_pretrained(path)
     if stacked_experts or state_dict_names:
         os.remove(os.path.join(path, "model.safetensors"))
@@ -94,3 +137,45 @@ def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool =
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     builtin_tokenizer().save_pretrained(path)
     return model
+
+
+
+@torch.inference_mode()
+def chosen_experts(engine, hf, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sparse layer, the experts (sorted, [T, k]) each prompt token picks: ours (one paged forward through
+    `engine`), then transformers' (`hf`: each architecture's TopKRouter / TopkRouter returns (logits, weights,
+    expert ids))."""
+    from kvserve.layers.moe_router import select_experts
+    from tests.helpers.oracles import hf_logits, paged_logits
+
+    ours, theirs, hooks, wrapped = [], [], [], []
+    for layer in engine.core.executor.worker.runner.model.layers:
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        gate = layer.mlp.gate
+        # NOTE: our model calls forward/select, not __call__ (no hooks): they are wrapped instead
+        if hasattr(gate, "select"):  # a router that selects itself (DeepSeek's grouped top-k)
+            def select(logits, inner=gate.select):
+                weights, ids = inner(logits)
+                ours.append(ids.sort(-1).values)
+                return weights, ids
+            gate.select, name = select, "select"
+        else:  # softmax top-k of the router logits
+            def forward(x, inner=gate.forward, k=layer.mlp.experts.top_k):
+                logits = inner(x)
+                ours.append(select_experts(logits, k, False)[1].sort(-1).values)
+                return logits
+            gate.forward, name = forward, "forward"
+        wrapped.append((gate, name))
+    for module in hf.modules():
+        if type(module).__name__.lower().endswith("topkrouter"):
+            hooks.append(module.register_forward_hook(lambda m, i, out: theirs.append(out[2].sort(-1).values)))
+    try:
+        paged_logits(engine, [(tokens, 0, len(tokens))])
+        hf_logits(hf, tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+        for gate, name in wrapped:
+            delattr(gate, name)
+    return ours, theirs

@@ -34,3 +34,13 @@ def run_tp(llm: LLM, prompts, params):
                 done[out.request_id] = out
         check_engine_invariants(engine)
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def assert_same_outputs(ref, out) -> None:
+    """Two runs of one batch (run_tp's outputs) agree: the same tokens, each step's top logprobs within 1e-4."""
+    for a, b in zip(ref, out):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for token in la:
+                assert abs(la[token].logprob - lb[token].logprob) < 1e-4
