@@ -102,7 +102,7 @@ def experts_sorted(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.T
     flat_ids = ids.reshape(-1)                                                # [T k]
     order = torch.argsort(flat_ids, stable=True)                              # (token, choice) pairs by expert
     token_idx = order // k                                                    # [T k]
-    counts = torch.bincount(flat_ids).tolist()         # rows per expert up to the last chosen, one sync
+    counts = torch.bincount(flat_ids).tolist()                                # rows per expert (to the last chosen)
     xs = x.index_select(0, token_idx)                                         # [T k, H]
     out = torch.empty_like(xs)
     start = 0
