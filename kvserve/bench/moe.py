@@ -166,9 +166,8 @@ def _parse(args) -> tuple[list[int], list[str]]:
     return batches, impls
 
 
-def _disagreeing(errors: dict[str, float], dtype: torch.dtype, int8: bool) -> dict[str, float]:
-    bound = _TOLERANCE[dtype] * (10 if int8 else 1)  # int8: the sorted path's 16-bit fixed-point rows
-    return {k: v for k, v in errors.items() if "transformers" not in k and not v <= bound}
+def _disagreeing(errors: dict[str, float], dtype: torch.dtype) -> dict[str, float]:
+    return {k: v for k, v in errors.items() if "transformers" not in k and not v <= _TOLERANCE[dtype]}
 
 
 def run(args) -> int:
@@ -183,7 +182,7 @@ def run(args) -> int:
         errors = check_agreement(args, block, layer, impls,
                                  torch.randn(max(batches), args.hidden_size, generator=g).to(dtype))
         print("agreement (max |diff| / max |reference|): " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-        bad = _disagreeing(errors, dtype, layer.int8 is not None)
+        bad = _disagreeing(errors, dtype)
         if bad:
             print(f"kvserve bench moe: paths disagree with the reference: {bad}; nothing timed")
             return 1

@@ -29,6 +29,7 @@ from torch import nn
 import kvserve.envs as envs
 from kvserve.layers import moe_fused
 from kvserve.layers.linear import _copy
+from kvserve.layers.linear_methods import LinearMethod
 from kvserve.layers.moe_fused import Int8Experts
 
 
@@ -129,7 +130,7 @@ class FusedMoE(nn.Module):
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, impl: str | None = None,
                  expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                  stacked_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj"),
-                 method=None):
+                 method: LinearMethod | None = None):
         super().__init__()
         if intermediate_size % tp_size:
             raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by "

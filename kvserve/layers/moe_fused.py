@@ -15,6 +15,7 @@ import os
 import torch
 
 from kvserve.config.quantization import PER_CHANNEL
+from kvserve.layers.linear_methods import LinearMethod
 from kvserve.layers.quant import kernels as quant_kernels
 from kvserve.layers.quant.int8 import quantize_int8
 
@@ -68,7 +69,8 @@ class Int8Experts:
         return self.q.float() * self.scales.repeat_interleave(self.group, dim=-1)
 
     def linear(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        """rows [M, K] -> [M, N] through expert e's matrix (the dense int8 linears' kernel)."""
+        """rows [M, K] -> [M, N] through expert e's matrix (the dense int8 linears' kernel). NOTE: without its
+        fixed-point rounding of x, so that every expert path computes on the same dequantized weights."""
         return quant_kernels.int8_linear(rows, self.q[e], self.scales[e], self.group, None)
 
 
@@ -79,7 +81,7 @@ def quantize_experts(w: torch.Tensor, group_size: int) -> Int8Experts:
     return Int8Experts(q.reshape(e, n, k), scales.reshape(e, n, -1))
 
 
-def int8_group(method) -> int | None:
+def int8_group(method: LinearMethod | None) -> int | None:
     """The int8 group size when the decoder layers' linear method (`method`, or the one a LoRA wrapper holds) is
     int8, so that the experts are quantized as the dense layers are; None otherwise (experts stay in the model
     dtype)."""

@@ -170,8 +170,8 @@ def _int8_layer(impl: str, group: int, h: int = 64, i: int = 32, tp_size: int = 
 @pytest.mark.parametrize("num_tokens", [1, 2, 19])
 def test_int8_experts_equal_the_reference_on_their_dequantized_weights(impl, group, num_tokens):
     """--quantization int8: the experts quantized at load (the full-precision weights freed), and every path
-    computes the experts of the dequantized weights. The sorted path's dense int8 kernel rounds one or two rows to
-    16-bit fixed point unless told not to (layers/quant/kernels.py): its tolerance allows for that."""
+    computes the experts of the dequantized weights (the sorted one through the dense int8 kernel, without its
+    fixed-point rounding of x)."""
     layer = _int8_layer(impl, group)
     full13, full2 = layer.w13.detach().clone(), layer.w2.detach().clone()
     layer.process_weights_after_loading()
@@ -183,7 +183,7 @@ def test_int8_experts_equal_the_reference_on_their_dequantized_weights(impl, gro
     g = torch.Generator().manual_seed(num_tokens)
     x, logits = torch.randn(num_tokens, 64, generator=g), torch.randn(num_tokens, E, generator=g)
     weights, ids = select_experts(logits, K, True)
-    torch.testing.assert_close(layer(x, logits), experts_reference(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(layer(x, logits), experts_reference(x, w13, w2, weights, ids), atol=1e-6, rtol=1e-5)
 
 
 def test_int8_experts_quantize_once_and_refuse_a_group_that_does_not_divide():
@@ -205,3 +205,20 @@ def test_fused_falls_back_to_sorted_without_the_kernel(monkeypatch):
     monkeypatch.setattr(moe_fused, "available", lambda: False)
     weights, ids = select_experts(logits, K, True)
     torch.testing.assert_close(layer(x, logits), experts_sorted(x, w13, w2, weights, ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["fused", "sorted"])
+def test_int8_tensor_parallel_shards_sum_to_the_whole_layer(impl):
+    """int8 groups of 32 never straddle a rank's columns (I / tp = 32): each rank's codes and scales are the
+    whole layer's slices, so two ranks' outputs sum to one int8 rank's."""
+    g = torch.Generator().manual_seed(6)
+    w13, w2 = torch.randn(E, 2 * 64, 64, generator=g) * 0.1, torch.randn(E, 64, 64, generator=g) * 0.1
+    tensors = {"experts.gate_up_proj": w13, "experts.down_proj": w2}
+    layers = [FusedMoE(E, K, 64, 64, False, tp_rank=r, tp_size=tp, impl=impl, method=Int8WeightOnlyMethod(32))
+              for tp, r in ((1, 0), (2, 0), (2, 1))]
+    for layer in layers:
+        _load(layer, tensors)
+        layer.process_weights_after_loading()
+    x, logits = torch.randn(9, 64, generator=g), torch.randn(9, E, generator=g)
+    whole, *ranks = (layer(x, logits) for layer in layers)
+    torch.testing.assert_close(sum(ranks), whole, atol=1e-5, rtol=1e-4)
