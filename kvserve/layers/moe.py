@@ -11,7 +11,8 @@ the experts, chosen by `impl` (default from envs.moe_impl(): fused):
   sorted path where it cannot run (not on the CPU, float16 weights, no compiler).
 
 Under `--quantization int8` the experts are int8 as the decoder layers' linears are (same group size; codes and
-scales made at load, moe_fused.py): the fused path reads the codes, the sorted one runs the dense int8 kernel
+scales made at load, moe_fused.py): the fused path reads the codes (at one or two tokens with 16-bit fixed-point
+inputs unless KVSERVE_QUANT_FIXED_POINT=0, as the dense int8 kernels), the sorted one runs the dense int8 kernel
 per expert, and the reference one multiplies by the dequantized weights.
 
 Tensor parallelism splits every expert's intermediate dimension (as a column- then row-parallel MLP): rank r
@@ -152,6 +153,8 @@ class FusedMoE(nn.Module):
                                requires_grad=False)                           # [E, H, I]
         self.int8: tuple[Int8Experts, Int8Experts] | None = None
         """(w13, w2) as int8 codes and scales once loaded under --quantization int8 (w13 / w2 are then freed)."""
+        self.fixed_point = envs.quant_fixed_point()
+        """int8 experts on the fused path round one or two tokens' inputs to 16-bit fixed point (moe_fused.py)."""
 
     def process_weights_after_loading(self) -> None:
         if self.int8_group is None or self.int8 is not None:
@@ -176,7 +179,7 @@ class FusedMoE(nn.Module):
         if self.int8 is not None:
             w13, w2 = self.int8
             if self.impl == "fused" and moe_fused.takes(x, w13.q):
-                return moe_fused.experts_fused(x, w13.q, w2.q, weights, ids, w13.scales, w2.scales)
+                return moe_fused.experts_fused(x, w13.q, w2.q, weights, ids, w13.scales, w2.scales, self.fixed_point)
             if self.impl == "reference":
                 w13, w2 = w13.dequantized().to(x.dtype), w2.dequantized().to(x.dtype)
                 return experts_reference(x, w13, w2, weights, ids, silu_and_mul)

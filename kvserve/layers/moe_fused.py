@@ -45,12 +45,22 @@ _NO_SCALES = torch.empty(0)
 
 
 def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  s13: torch.Tensor | None = None, s2: torch.Tensor | None = None) -> torch.Tensor:
+                  s13: torch.Tensor | None = None, s2: torch.Tensor | None = None,
+                  fixed_point: bool = False) -> torch.Tensor:
     """x [T, H], weights/ids [T, k] -> [T, H] in x's dtype (computed in float32). w13 [E, 2I, H], w2 [E, H, I]:
-    float32 or bfloat16, or int8 codes with scales s13 [E, 2I, H / g], s2 [E, H, I / g]."""
+    float32 or bfloat16, or int8 codes with scales s13 [E, 2I, H / g], s2 [E, H, I / g]. `fixed_point`: int8
+    experts at up to fixed_tokens() tokens round their inputs to 16-bit fixed point per 32 columns, as the dense
+    int8 kernels do at one or two rows (layers/quant/kernels.py; FusedMoE passes envs.quant_fixed_point())."""
     out = _module().moe_experts(x.float().contiguous(), ids.contiguous(), weights.float().contiguous(),
-                                w13, w2, _NO_SCALES if s13 is None else s13, _NO_SCALES if s2 is None else s2)
+                                w13, w2, _NO_SCALES if s13 is None else s13, _NO_SCALES if s2 is None else s2,
+                                fixed_point)
     return out.to(x.dtype)
+
+
+def fixed_tokens() -> int:
+    """Tokens up to which the kernel can take int8 experts' inputs in fixed point (0: not this build or none)."""
+    m = _module()
+    return 0 if m is None else m.fixed_tokens()
 
 
 @dataclasses.dataclass

@@ -168,10 +168,10 @@ def _int8_layer(impl: str, group: int, h: int = 64, i: int = 32, tp_size: int = 
 @pytest.mark.parametrize("impl", ["fused", "sorted", "reference"])
 @pytest.mark.parametrize("group", [32, -1])
 @pytest.mark.parametrize("num_tokens", [1, 2, 19])
-def test_int8_experts_equal_the_reference_on_their_dequantized_weights(impl, group, num_tokens):
+def test_int8_experts_equal_the_reference_on_their_dequantized_weights(impl, group, num_tokens, monkeypatch):
     """--quantization int8: the experts quantized at load (the full-precision weights freed), and every path
-    computes the experts of the dequantized weights (the sorted one through the dense int8 kernel, without its
-    fixed-point rounding of x)."""
+    computes the experts of the dequantized weights (fixed-point inputs off: the next test)."""
+    monkeypatch.setenv("KVSERVE_QUANT_FIXED_POINT", "0")
     layer = _int8_layer(impl, group)
     full13, full2 = layer.w13.detach().clone(), layer.w2.detach().clone()
     layer.process_weights_after_loading()
@@ -222,3 +222,23 @@ def test_int8_tensor_parallel_shards_sum_to_the_whole_layer(impl):
     x, logits = torch.randn(9, 64, generator=g), torch.randn(9, E, generator=g)
     whole, *ranks = (layer(x, logits) for layer in layers)
     torch.testing.assert_close(sum(ranks), whole, atol=1e-5, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [32, 64, -1])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3])
+def test_int8_fixed_point_inputs_at_one_or_two_tokens(group, num_tokens, monkeypatch):
+    """The fused path's int8 experts at one or two tokens round their inputs (x, then SiLU * up) to 16-bit fixed
+    point per 32 columns, as the dense int8 kernels do: within 2^-15 of each run's largest |input| per product, so
+    the outputs stay within 1e-4 of the float path's; from three tokens on (or with KVSERVE_QUANT_FIXED_POINT=0)
+    the float path runs alone."""
+    layers = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("KVSERVE_QUANT_FIXED_POINT", env)
+        layers[env] = _int8_layer("fused", group, i=64)
+        layers[env].process_weights_after_loading()
+    g = torch.Generator().manual_seed(num_tokens)
+    x, logits = torch.randn(num_tokens, 64, generator=g), torch.randn(num_tokens, E, generator=g)
+    fixed, exact = layers["1"](x, logits), layers["0"](x, logits)
+    torch.testing.assert_close(fixed, exact, atol=1e-4 * exact.abs().max().item(), rtol=0)
+    assert torch.equal(fixed, exact) == (num_tokens > moe_fused.fixed_tokens())

@@ -38,7 +38,9 @@ struct Vec {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
-  static T load(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+  static T load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static float sum(T a) { return _mm512_reduce_add_ps(a); }
@@ -55,7 +57,9 @@ struct Vec {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-  static T load(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+  static T load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static float sum(T a) {
@@ -94,6 +98,14 @@ struct Matrix {
 
 constexpr int kRowsPerStep = 4;  // weight rows whose dot products run together (independent FMA chains)
 
+// The weight rows a step will read next are asked for ahead (into L2), at the column being read now: the rows
+// kRowsPerStep on (the next step of the tile). A tile's rows are short streams (an int8 row of 2048 is 2 KiB),
+// which the hardware prefetcher alone follows too late to keep the memory busy.
+template <typename W>
+inline void prefetch_next_rows(const W* at, int64_t k) {
+  _mm_prefetch(reinterpret_cast<const char*>(at + kRowsPerStep * k), _MM_HINT_T1);
+}
+
 // y[m][r] = dot(x[m], W[row0 + r]) for r < nr <= kRowsPerStep, m < MR: each weight vector is loaded (and
 // widened, and scaled) once for the MR inputs. A step of fewer than kRowsPerStep rows repeats its last row
 // (from the cache) rather than branch in the loop.
@@ -111,12 +123,14 @@ inline void dot_rows(const float* const* x, const Matrix<W>& mat, int64_t row0, 
   typename Vec::T acc[kRowsPerStep][MR];
   for (int r = 0; r < kRowsPerStep; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = Vec::zero();
-  for (int64_t c0 = 0; c0 < vk; c0 += span) {
-    typename Vec::T sv[kRowsPerStep];
+  for (int64_t c0 = 0, g = 0; c0 < vk; c0 += span, ++g) {  // g counted, not divided: a division per group costs
+    typename Vec::T sv[kRowsPerStep];                         // as much as the group's multiply-adds
     if (kScaled)
-      for (int r = 0; r < kRowsPerStep; ++r) sv[r] = Vec::set1(scales[r][c0 / mat.group]);
+      for (int r = 0; r < kRowsPerStep; ++r) sv[r] = Vec::set1(scales[r][g]);
     const int64_t c1 = std::min(vk, c0 + span);
     for (int64_t c = c0; c < c1; c += Vec::kWidth) {
+      if ((c & (64 / sizeof(W) - 1)) < Vec::kWidth)  // once per cache line of weights
+        for (int r = 0; r < kRowsPerStep; ++r) prefetch_next_rows(rows[r] + c, k);
       typename Vec::T xv[MR];
       for (int m = 0; m < MR; ++m) xv[m] = Vec::load(x[m] + c);
       for (int r = 0; r < kRowsPerStep; ++r) {
@@ -157,6 +171,96 @@ void dot_tile(const float* const* x, int64_t rows, const Matrix<W>& mat, int64_t
   }
 }
 
+// The input rows of a pass, row i at f + i * k; for int8 weights at one or two tokens (`fixed`) also a 16-bit
+// fixed-point copy, x[i, c] ~= q[i, c] * s[i, c / 32] (error <= 2^-16 of each run of 32's largest |x|: the dense
+// int8 kernels' rounding, layers/quant/csrc/quant_linear.cpp), so that a run of 32 weights costs one widening and
+// one integer multiply-add per row (vpmaddwd) instead of widening, converting and scaling each weight: at one or
+// two tokens a core's work per weight byte, not memory, sets the pace.
+struct Rows {
+  const float* f;
+  int64_t k;
+  const int16_t* q = nullptr;
+  const float* s = nullptr;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int64_t kFixedTokens = 2;
+
+void to_fixed(const float* x, int64_t k, int16_t* q, float* s) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * 32), v1 = _mm512_loadu_ps(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+    s[b] = amax / 32767.f;
+    _mm256_storeu_si256((__m256i*)(q + b * 32), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+    _mm256_storeu_si256((__m256i*)(q + b * 32 + 16),
+                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+  }
+}
+
+// y[m][j - j0] = sum_b scale[j, g(b)] * xs[m][b] * (w[j, run b] . xq[m][run b]), rows j0 <= j < j1, m < MR.
+template <int MR>
+void fixed_tile(const int16_t* const* xq, const float* const* xs, const Matrix<int8_t>& mat, int64_t j0,
+                int64_t j1, float* y, int64_t ldy) {
+  const int64_t k = mat.k, nb = k / 32, ng = k / mat.group, per_group = mat.group / 32;
+  std::vector<float> cs(MR * nb);  // row j's combined scales, weight's times input's, per run of 32
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* sj = mat.scale + j * ng;
+    for (int m = 0; m < MR; ++m)
+      for (int64_t g = 0; g < ng; ++g)
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) cs[m * nb + b] = sj[g] * xs[m][b];
+    const int8_t* wj = mat.w + j * k;
+    // two accumulators per row (even and odd runs): one would chain every run's FMA on the previous one's
+    __m512 acc[MR], odd[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = odd[m] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(wj + b * 32 + k), _MM_HINT_T1);  // the next row's line
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wj + b * 32)));
+      const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wj + b * 32 + 32)));
+      for (int m = 0; m < MR; ++m) {
+        const __m512i x0 = _mm512_loadu_si512((const void*)(xq[m] + b * 32));
+        const __m512i x1 = _mm512_loadu_si512((const void*)(xq[m] + b * 32 + 32));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w0, x0)), _mm512_set1_ps(cs[m * nb + b]), acc[m]);
+        odd[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w1, x1)), _mm512_set1_ps(cs[m * nb + b + 1]),
+                                 odd[m]);
+      }
+    }
+    if (b < nb) {
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wj + b * 32)));
+      for (int m = 0; m < MR; ++m) {
+        const __m512i x0 = _mm512_loadu_si512((const void*)(xq[m] + b * 32));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w0, x0)), _mm512_set1_ps(cs[m * nb + b]), acc[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) y[m * ldy + (j - j0)] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], odd[m]));
+  }
+}
+#else
+constexpr int64_t kFixedTokens = 0;
+#endif
+
+// y[m][j - j0] = dot(input row idx[m], W[j]) for j0 <= j < j1, m < rows.
+template <typename W>
+void tile(const Rows& in, const int64_t* idx, int64_t rows, const Matrix<W>& mat, int64_t j0, int64_t j1, float* y,
+          int64_t ldy) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (std::is_same<W, int8_t>::value) {
+    if (in.q != nullptr) {  // rows <= kFixedTokens: an expert's rows are distinct tokens
+      const int16_t* xq[kFixedTokens];
+      const float* xs[kFixedTokens];
+      for (int64_t m = 0; m < rows; ++m) xq[m] = in.q + idx[m] * in.k, xs[m] = in.s + idx[m] * (in.k / 32);
+      if (rows == 1) fixed_tile<1>(xq, xs, mat, j0, j1, y, ldy);
+      else fixed_tile<2>(xq, xs, mat, j0, j1, y, ldy);
+      return;
+    }
+  }
+#endif
+  std::vector<const float*> xr(rows);
+  for (int64_t m = 0; m < rows; ++m) xr[m] = in.f + idx[m] * in.k;
+  dot_tile(xr.data(), rows, mat, j0, j1, y, ldy);
+}
+
 constexpr int64_t kTile = 16;  // intermediate rows (pass 1) or output columns (pass 2) per task
 
 // The pairs bucketed by expert: rows [start[a], start[a + 1]) of the sorted order belong to expert active[a].
@@ -194,20 +298,18 @@ Buckets bucket(const torch::Tensor& ids, const torch::Tensor& weights, int64_t n
 }
 
 template <typename W>
-void gate_up_pass(const float* x, int64_t hidden, const Buckets& b, const W* w13, const float* s13,
-                  int64_t group13, int64_t inter, float* h) {
-  const int64_t tiles = (inter + kTile - 1) / kTile, n_active = static_cast<int64_t>(b.active.size());
+void gate_up_pass(const Rows& x, const Buckets& b, const W* w13, const float* s13, int64_t group13, int64_t inter,
+                  float* h) {
+  const int64_t hidden = x.k, tiles = (inter + kTile - 1) / kTile, n_active = static_cast<int64_t>(b.active.size());
   const int64_t per_expert = 2 * inter * hidden, scales_per_expert = s13 ? 2 * inter * (hidden / group13) : 0;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t task = 0; task < n_active * tiles; ++task) {
     const int64_t a = task / tiles, j0 = (task % tiles) * kTile, j1 = std::min(inter, j0 + kTile);
     const int64_t e = b.active[a], r0 = b.start[a], rows = b.start[a + 1] - r0;
     const Matrix<W> mat{w13 + e * per_expert, s13 ? s13 + e * scales_per_expert : nullptr, hidden, group13};
-    std::vector<const float*> xr(rows);
-    for (int64_t m = 0; m < rows; ++m) xr[m] = x + b.token[r0 + m] * hidden;
     std::vector<float> gate(rows * kTile), up(rows * kTile);
-    dot_tile(xr.data(), rows, mat, j0, j1, gate.data(), kTile);
-    dot_tile(xr.data(), rows, mat, inter + j0, inter + j1, up.data(), kTile);
+    tile(x, b.token.data() + r0, rows, mat, j0, j1, gate.data(), kTile);
+    tile(x, b.token.data() + r0, rows, mat, inter + j0, inter + j1, up.data(), kTile);
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t j = 0; j < j1 - j0; ++j) {
         const float g = gate[m * kTile + j];
@@ -217,22 +319,21 @@ void gate_up_pass(const float* x, int64_t hidden, const Buckets& b, const W* w13
 }
 
 template <typename W>
-void down_pass(const float* h, int64_t inter, const Buckets& b, const W* w2, const float* s2, int64_t group2,
-               int64_t hidden, float* out) {
-  const int64_t tiles = (hidden + kTile - 1) / kTile, n_active = static_cast<int64_t>(b.active.size());
+void down_pass(const Rows& h, const Buckets& b, const W* w2, const float* s2, int64_t group2, int64_t hidden,
+               float* out) {
+  const int64_t inter = h.k, tiles = (hidden + kTile - 1) / kTile, n_active = static_cast<int64_t>(b.active.size());
   const int64_t per_expert = hidden * inter, scales_per_expert = s2 ? hidden * (inter / group2) : 0;
+  std::vector<int64_t> pair(b.token.size());  // h's rows are the sorted pairs themselves
+  for (size_t r = 0; r < pair.size(); ++r) pair[r] = static_cast<int64_t>(r);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t task = 0; task < tiles; ++task) {
     const int64_t c0 = task * kTile, c1 = std::min(hidden, c0 + kTile);
-    std::vector<const float*> hr;
     std::vector<float> y;
     for (int64_t a = 0; a < n_active; ++a) {
       const int64_t e = b.active[a], r0 = b.start[a], rows = b.start[a + 1] - r0;
       const Matrix<W> mat{w2 + e * per_expert, s2 ? s2 + e * scales_per_expert : nullptr, inter, group2};
-      hr.resize(rows);
       y.resize(rows * kTile);
-      for (int64_t m = 0; m < rows; ++m) hr[m] = h + (r0 + m) * inter;
-      dot_tile(hr.data(), rows, mat, c0, c1, y.data(), kTile);
+      tile(h, pair.data() + r0, rows, mat, c0, c1, y.data(), kTile);
       for (int64_t m = 0; m < rows; ++m) {
         float* o = out + b.token[r0 + m] * hidden;
         const float wt = b.weight[r0 + m];
@@ -242,12 +343,28 @@ void down_pass(const float* h, int64_t inter, const Buckets& b, const W* w2, con
   }
 }
 
+// Rows `in` with a fixed-point copy in `q` / `s` (sized here) when `fixed`.
+Rows with_fixed(Rows in, int64_t n, bool fixed, std::vector<int16_t>& q, std::vector<float>& s) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (fixed) {
+    q.resize(n * in.k), s.resize(n * (in.k / 32));
+    for (int64_t i = 0; i < n; ++i) to_fixed(in.f + i * in.k, in.k, q.data() + i * in.k, s.data() + i * (in.k / 32));
+    in.q = q.data(), in.s = s.data();
+  }
+#endif
+  return in;
+}
+
 template <typename W>
-void run(const float* x, int64_t hidden, const Buckets& b, const torch::Tensor& w13, const torch::Tensor& w2,
-         const float* s13, const float* s2, int64_t group13, int64_t group2, float* h, float* out) {
+void run(const float* x, int64_t tokens, int64_t hidden, const Buckets& b, const torch::Tensor& w13,
+         const torch::Tensor& w2, const float* s13, const float* s2, int64_t group13, int64_t group2, bool fixed,
+         float* h, float* out) {
   const int64_t inter = w2.size(2);
-  gate_up_pass<W>(x, hidden, b, w13.data_ptr<W>(), s13, group13, inter, h);
-  down_pass<W>(h, inter, b, w2.data_ptr<W>(), s2, group2, hidden, out);
+  std::vector<int16_t> xq, hq;
+  std::vector<float> xs, hs;
+  gate_up_pass<W>(with_fixed(Rows{x, hidden}, tokens, fixed, xq, xs), b, w13.data_ptr<W>(), s13, group13, inter, h);
+  const Rows hr = with_fixed(Rows{h, inter}, static_cast<int64_t>(b.token.size()), fixed, hq, hs);
+  down_pass<W>(hr, b, w2.data_ptr<W>(), s2, group2, hidden, out);
 }
 
 int64_t group_of(const torch::Tensor& scales, int64_t k, const char* what) {
@@ -263,9 +380,10 @@ int64_t group_of(const torch::Tensor& scales, int64_t k, const char* what) {
 
 // x [T, H] float32, ids [T, k] int64, weights [T, k] float32, w13 [E, 2I, H], w2 [E, H, I] (float32, bfloat16
 // or int8; int8 with s13 [E, 2I, H / g13] and s2 [E, H, I / g2], else empty scale tensors) -> [T, H] float32.
+// `fixed`: int8 weights at up to kFixedTokens tokens may take the 16-bit fixed-point inputs (see Rows).
 torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
                           const torch::Tensor& w13, const torch::Tensor& w2, const torch::Tensor& s13,
-                          const torch::Tensor& s2) {
+                          const torch::Tensor& s2, bool fixed) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
               "moe: x must be a contiguous float32 [T, H] tensor");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
@@ -284,17 +402,19 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& ids, cons
   const float* xp = x.data_ptr<float>();
   switch (w13.scalar_type()) {
     case torch::kFloat32:
-      run<float>(xp, hidden, b, w13, w2, nullptr, nullptr, hidden, inter, h.data_ptr<float>(), out.data_ptr<float>());
+      run<float>(xp, x.size(0), hidden, b, w13, w2, nullptr, nullptr, hidden, inter, false, h.data_ptr<float>(),
+                 out.data_ptr<float>());
       break;
     case torch::kBFloat16:
-      run<at::BFloat16>(xp, hidden, b, w13, w2, nullptr, nullptr, hidden, inter, h.data_ptr<float>(),
-                        out.data_ptr<float>());
+      run<at::BFloat16>(xp, x.size(0), hidden, b, w13, w2, nullptr, nullptr, hidden, inter, false,
+                        h.data_ptr<float>(), out.data_ptr<float>());
       break;
     case torch::kInt8: {
       const int64_t g13 = group_of(s13, hidden, "w13"), g2 = group_of(s2, inter, "w2");
       TORCH_CHECK(s13.size(0) == num_experts && s13.size(1) == 2 * inter && s2.size(0) == num_experts &&
                       s2.size(1) == hidden, "moe: scales do not match the codes");
-      run<int8_t>(xp, hidden, b, w13, w2, s13.data_ptr<float>(), s2.data_ptr<float>(), g13, g2,
+      fixed = fixed && x.size(0) <= kFixedTokens && g13 % 32 == 0 && g2 % 32 == 0;
+      run<int8_t>(xp, x.size(0), hidden, b, w13, w2, s13.data_ptr<float>(), s2.data_ptr<float>(), g13, g2, fixed,
                   h.data_ptr<float>(), out.data_ptr<float>());
       break;
     }
@@ -309,4 +429,5 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& ids, cons
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts", &moe_experts, "the routed experts of one MoE layer (float32 activations)");
   m.def("vector_width", []() { return Vec::kWidth; }, "float32 lanes of the vector code this build runs");
+  m.def("fixed_tokens", []() { return kFixedTokens; }, "tokens up to which int8 experts may take fixed-point inputs");
 }
