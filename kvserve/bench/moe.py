@@ -1,5 +1,7 @@
-"""`kvserve bench moe`: one Mixture-of-Experts layer, router and routed experts, through kvserve's FusedMoE and
-through transformers' eager Qwen3MoeSparseMoeBlock, on the same random weights, in one interleaved run.
+"""`kvserve bench moe`: one MoE layer through kvserve's expert paths and transformers' eager block, same run.
+
+The layer (router and routed experts) runs through kvserve's FusedMoE and through transformers' eager
+Qwen3MoeSparseMoeBlock, on the same random weights, the paths interleaved call by call.
 
 The default shape is Qwen3-30B-A3B's (hidden 2048, expert intermediate 768, 128 experts, 8 per token). At each
 batch size every repeat draws new activations, so the experts hit change from call to call and their weights come
