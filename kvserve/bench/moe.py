@@ -11,6 +11,8 @@ from memory, as in a model whose 48 layers do not fit in the caches. Per batch s
   included) and that rate as a fraction of the machine's read rate, measured in the same run (a sum over a tensor
   far past the last-level cache, every thread: attention/microbench.py);
 - the speed-up over transformers.
+`fused` is FusedMoE's default path as the engine runs it: from moe_fused.MAX_ROWS_PER_EXPERT rows per expert
+(a batch marked *) that is the sorted path.
 Outputs are compared with transformers' first (int8: with kvserve's reference path on the dequantized weights, and
 with transformers for scale), and a path that disagrees fails the run before anything is timed.
 """
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.config.quantization import DEFAULT_GROUP_SIZE
+from kvserve.layers import moe_fused
 from kvserve.layers.moe import IMPLS, FusedMoE
 
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -131,8 +134,10 @@ def time_batch(args, block, layer: FusedMoE, impls: list[str], batch: int, dtype
         active.append(torch.topk(F.linear(x, router).float(), args.top_k, dim=-1).indices.unique().numel())
         for name, fn in paths.items():
             seconds[name].append(_timed(fn, x))
+    held = layer.int8[0].q if layer.int8 is not None else layer.w13
     row = {"batch": batch, "active_experts": statistics.mean(active),
-           "active_mb": statistics.mean(active) * per_expert / 1e6}
+           "active_mb": statistics.mean(active) * per_expert / 1e6,
+           "fused_kernel": moe_fused.takes(xs[0], held, args.top_k)}
     tf = statistics.median(seconds["transformers"])
     for name, times in seconds.items():
         gbps = statistics.median(n * per_expert / t / 1e9 for n, t in zip(active, times))
@@ -147,12 +152,15 @@ def _print_table(rows: list[dict], names: list[str]) -> None:
         head += f" | {name[:12]:>12} ms {'GB/s':>6} {'stream':>6} {'vs tf':>6}"
     print(head)
     for row in rows:
-        line = f"{row['batch']:>5} {row['active_experts']:>7.1f} {row['active_mb']:>9.1f}"
+        mark = "" if row["fused_kernel"] else "*"
+        line = f"{mark + str(row['batch']):>5} {row['active_experts']:>7.1f} {row['active_mb']:>9.1f}"
         for name in names:
             r = row[name]
             line += (f" | {r['ms']:>15.3f} {r['gbps']:>6.1f} {r['of_stream']:>6.0%} "
                      f"{r['speedup_vs_transformers']:>5.2f}x")
         print(line)
+    if not all(row["fused_kernel"] for row in rows):
+        print("*: past moe_fused's rows per expert for the kernel: `fused` ran the sorted path, as FusedMoE does")
 
 
 def _parse(args) -> tuple[list[int], list[str]]:

@@ -8,7 +8,8 @@ the experts, chosen by `impl` (default from envs.moe_impl(): fused):
 - "sorted": the (token, choice) pairs sorted by expert once per layer, each active expert's run of rows
   multiplied in place in one gathered buffer, weighted, then summed back per token with one index_add.
 - "fused": one C++ call per layer over the active experts (layers/moe_fused.py), no Python per expert; the
-  sorted path where it cannot run (not on the CPU, float16 weights, no compiler).
+  sorted path where it cannot run (not on the CPU, float16 weights, no compiler) or where an expert's rows are
+  many enough that a dense matmul per expert wins (prefill-sized batches; moe_fused.MAX_ROWS_PER_EXPERT).
 
 Under `--quantization int8` the experts are int8 as the decoder layers' linears are (same group size; codes and
 scales made at load, moe_fused.py): the fused path reads the codes (at one or two tokens with 16-bit fixed-point
@@ -178,13 +179,13 @@ class FusedMoE(nn.Module):
                  silu_and_mul: SiluAndMul) -> torch.Tensor:
         if self.int8 is not None:
             w13, w2 = self.int8
-            if self.impl == "fused" and moe_fused.takes(x, w13.q):
+            if self.impl == "fused" and moe_fused.takes(x, w13.q, self.top_k):
                 return moe_fused.experts_fused(x, w13.q, w2.q, weights, ids, w13.scales, w2.scales, self.fixed_point)
             if self.impl == "reference":
                 w13, w2 = w13.dequantized().to(x.dtype), w2.dequantized().to(x.dtype)
                 return experts_reference(x, w13, w2, weights, ids, silu_and_mul)
             return experts_sorted(x, w13, w2, weights, ids, silu_and_mul, _int8_linear)
-        if self.impl == "fused" and moe_fused.takes(x, self.w13):
+        if self.impl == "fused" and moe_fused.takes(x, self.w13, self.top_k):
             return moe_fused.experts_fused(x, self.w13, self.w2, weights, ids)
         if self.impl == "reference":
             return experts_reference(x, self.w13, self.w2, weights, ids, silu_and_mul)

@@ -36,9 +36,23 @@ def available() -> bool:
     return _module() is not None
 
 
-def takes(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """Whether the C++ kernel runs these experts (CPU tensors of a dtype it reads, and it built here)."""
-    return x.is_cpu and w13.is_cpu and w13.dtype in KERNEL_DTYPES and available()
+MAX_ROWS_PER_EXPERT = 64
+"""Tokens x top_k / experts (an expert's rows, expected) from which the sorted path runs instead: the kernel's
+multiply-adds are dot products over each weight row (its strength: few rows, the weights read once), where a
+dense matmul (the sorted path's, one per active expert) has the blocked GEMM's reuse. `kvserve bench moe
+--impls fused,sorted --batch-sizes ...` shows where the two cross."""
+
+BF16_MAX_ROWS_PER_EXPERT = 16
+"""The same for bfloat16 weights: the kernel widens them and multiply-adds in float32, while the sorted path's
+bfloat16 matmul runs oneDNN's AVX512-BF16/AMX kernels, so it wins from fewer rows."""
+
+
+def takes(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> bool:
+    """Whether the C++ kernel runs these experts: CPU tensors of a dtype it reads, few enough rows per expert
+    (MAX_ROWS_PER_EXPERT), and it built here."""
+    limit = BF16_MAX_ROWS_PER_EXPERT if w13.dtype == torch.bfloat16 else MAX_ROWS_PER_EXPERT
+    return (x.is_cpu and w13.is_cpu and w13.dtype in KERNEL_DTYPES and x.shape[0] * top_k < limit * w13.shape[0]
+            and available())
 
 
 _NO_SCALES = torch.empty(0)

@@ -242,3 +242,24 @@ def test_int8_fixed_point_inputs_at_one_or_two_tokens(group, num_tokens, monkeyp
     fixed, exact = layers["1"](x, logits), layers["0"](x, logits)
     torch.testing.assert_close(fixed, exact, atol=1e-4 * exact.abs().max().item(), rtol=0)
     assert torch.equal(fixed, exact) == (num_tokens > moe_fused.fixed_tokens())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,num_tokens,fused", [
+    (torch.float32, 255, True), (torch.float32, 256, False),      # 64 rows per expert: E 8, k 2
+    (torch.bfloat16, 63, True), (torch.bfloat16, 64, False)])     # 16
+def test_fused_hands_prefill_sized_batches_to_the_sorted_path(dtype, num_tokens, fused, monkeypatch):
+    """From moe_fused.MAX_ROWS_PER_EXPERT expected rows per expert (BF16_MAX_ROWS_PER_EXPERT for bfloat16
+    weights) a dense matmul per expert runs; either way the result is the reference's."""
+    w13, w2, g = _experts(9, dtype)
+    layer = FusedMoE(E, K, H, I, True, impl="fused").to(dtype)
+    _load(layer, {"experts.gate_up_proj": w13, "experts.down_proj": w2})
+    assert layer.w13.dtype == dtype
+    calls = []
+    real = moe_fused.experts_fused
+    monkeypatch.setattr(moe_fused, "experts_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, logits = torch.randn(num_tokens, H, generator=g).to(dtype), torch.randn(num_tokens, E, generator=g)
+    weights, ids = select_experts(logits, K, True)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(layer(x, logits), experts_reference(x, w13, w2, weights, ids), **tol)
+    assert bool(calls) == fused
