@@ -65,6 +65,7 @@ def keep_freed_memory() -> bool:
 
 
 def moe_impl() -> str:
-    """KVSERVE_MOE_IMPL: how Mixture-of-Experts layers compute their experts (layers/moe.py): `sorted` (the
-    default: tokens sorted by expert, one pass over the active experts) or `reference` (transformers' loop)."""
-    return _get("KVSERVE_MOE_IMPL") or "sorted"
+    """KVSERVE_MOE_IMPL: how Mixture-of-Experts layers compute their experts (layers/moe.py): `fused` (the
+    default: one C++ call per layer on the CPU, else as `sorted`), `sorted` (tokens sorted by expert, one pass
+    over the active experts in PyTorch) or `reference` (transformers' loop)."""
+    return _get("KVSERVE_MOE_IMPL") or "fused"

@@ -142,7 +142,7 @@ class DeepseekMoE(nn.Module):
         experts, width = num_experts(cfg), cfg.moe_intermediate_size
         self.gate = GroupedTopKRouter(cfg.hidden_size, experts, deepseek_rule(cfg))
         self.experts = FusedMoE(experts, cfg.num_experts_per_tok, cfg.hidden_size, width, False, shard.rank,
-                                shard.size, shard.all_reduce)
+                                shard.size, shard.all_reduce, method=method)
         # NOTE: transformers builds (and saves) the shared MLP even with n_shared_experts 0: zero-width tensors,
         # loaded and never run (dense: a packed or quantized method takes no empty weight)
         shared = getattr(cfg, "n_shared_experts", None)

@@ -133,7 +133,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(cfg.hidden_size, experts, False, DenseMethod())
         self.experts = FusedMoE(experts, cfg.num_experts_per_tok, cfg.hidden_size, moe_intermediate_size(cfg),
                                 bool(getattr(cfg, "norm_topk_prob", True)), shard.rank, shard.size, shard.all_reduce,
-                                expert_names=feats.expert_names, stacked_names=feats.stacked_expert_names)
+                                expert_names=feats.expert_names, stacked_names=feats.stacked_expert_names,
+                                method=method)
         # names in the checkpoint where they differ from ours (weight_loader.py)
         self.checkpoint_name, self.gate.checkpoint_name = feats.moe_prefix, feats.router_name
         self.shared_expert = None

@@ -19,9 +19,7 @@ from kvserve.layers.quant.int8 import Int8WeightOnlyMethod
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.engine import run_to_completion
-from tests.helpers.quant import linear_layer
-
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from tests.helpers.quant import dequantized_copy
 
 
 # ---- the engine ------------------------------------------------------------------------------------------
@@ -38,24 +36,6 @@ def _greedy(path: str, prompts, max_tokens: int = 12, **kwargs) -> list[list[int
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     finished = run_to_completion(engine)  # block invariants after every step
     return [finished[str(i)].outputs[0].token_ids for i in range(len(prompts))]
-
-
-def _dequantized_copy(hf_model, method_factory, head: bool = True):
-    """The HF model with every decoder linear weight replaced by the weight its quantized method computes with,
-    and (head) the LM head by its int8 group-32 weight; a tied model comes back untied, the embedding as it was."""
-    model = copy.deepcopy(hf_model)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LINEAR_NAMES:
-                method = method_factory()
-                layer = linear_layer(module.weight.detach().clone(), method)
-                module.weight.copy_(method.dequantized_weight(layer))
-        if head:
-            method = Int8WeightOnlyMethod(32)
-            layer = linear_layer(model.lm_head.weight.detach().clone(), method)
-            model.config.tie_word_embeddings = False
-            model.lm_head.weight = torch.nn.Parameter(method.dequantized_weight(layer))
-    return model
 
 
 def _save(model, src_path: str, dst_path: str) -> str:
@@ -79,7 +59,7 @@ def test_quantized_engine_equals_the_dequantized_checkpoint(tiny_llama, tmp_path
     prompts = _prompts()
     quantized = _greedy(path, prompts, quantization=quantization, **extra)
     head = extra.get("quantize_lm_head", True)
-    ref_path = _save(_dequantized_copy(hf_model, factory, head), path, str(tmp_path / "dequantized"))
+    ref_path = _save(dequantized_copy(hf_model, factory, head), path, str(tmp_path / "dequantized"))
     assert quantized == _greedy(ref_path, prompts)
 
 
@@ -104,7 +84,7 @@ def test_int8_head_of_a_tied_model_keeps_the_embedding_full_precision(tmp_path):
     torch.testing.assert_close(model.embed_tokens.weight, hf_model.model.embed_tokens.weight, rtol=0, atol=0)
     del engine
     prompts = _prompts(3, seed=2)
-    ref_path = _save(_dequantized_copy(hf_model, lambda: Int8WeightOnlyMethod(32)), path, str(tmp_path / "ref"))
+    ref_path = _save(dequantized_copy(hf_model, lambda: Int8WeightOnlyMethod(32)), path, str(tmp_path / "ref"))
     assert _greedy(path, prompts, quantization="int8") == _greedy(ref_path, prompts)
 
 
@@ -114,7 +94,7 @@ def test_lora_over_an_int8_base_matches_peft_on_the_dequantized_base(tmp_path):
 
     base_path = str(tmp_path / "base")
     base = make_tiny_checkpoint(base_path, "llama", seed=5)
-    dequantized = _dequantized_copy(base, lambda: Int8WeightOnlyMethod(32))
+    dequantized = dequantized_copy(base, lambda: Int8WeightOnlyMethod(32))
     torch.manual_seed(6)
     cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
                           init_lora_weights=False)
