@@ -120,3 +120,14 @@ def test_q8_0_files_with_permuted_and_fused_rows(tmp_path, arch):
     path = str(tmp_path / f"{arch}.gguf")
     write_gguf(path, hf, arch, Q.Q8_0)
     _assert_logits_match(_engine(path), hf, seed=3, atol=2e-4)
+
+
+def test_tokenizer_from_the_file(gguf_model):
+    """transformers reads no config from olmoe / granite / granitemoe files: their tokenizer comes through the
+    generic fast class, the same vocabulary as every other (here SmolLM2's)."""
+    from kvserve.model_loader.gguf_loader import load_gguf_tokenizer
+    from tests.helpers.checkpoints import builtin_tokenizer
+
+    _, path, _ = gguf_model
+    text = "Hello, world! How are you today?"
+    assert load_gguf_tokenizer(path)(text).input_ids == builtin_tokenizer()(text).input_ids

@@ -4,15 +4,15 @@ config classes; every figure is checked against a formula written out here, and 
 model transformers builds from the same config (on the meta device: no memory)."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 import transformers as tf
 
-from kvserve.cli import kv_calc
 from kvserve.model_loader.param_count import param_count
+from tests.helpers.kv_calc import kv_calc_exit as _cli
+from tests.helpers.kv_calc import kv_calc_json as _report
 
 # DeepSeek-V3's attention with fewer layers and experts (the latent and head widths are the real ones)
 DEEPSEEK = dict(num_hidden_layers=5, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
@@ -20,17 +20,6 @@ DEEPSEEK = dict(num_hidden_layers=5, hidden_size=256, intermediate_size=512, moe
                 n_shared_experts=1, first_k_dense_replace=2, kv_lora_rank=512, q_lora_rank=96, qk_rope_head_dim=64,
                 qk_nope_head_dim=128, v_head_dim=128, n_group=4, topk_group=2, vocab_size=1000,
                 max_position_embeddings=4096, dtype="bfloat16")
-
-
-def _cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="kvserve kv-calc")
-    kv_calc.add_arguments(parser)
-    return kv_calc.run(parser.parse_args(list(argv)))
-
-
-def _report(capsys, *argv: str) -> dict:
-    assert _cli(*argv, "--json") == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def _save(config, folder) -> str:
