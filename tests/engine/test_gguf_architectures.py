@@ -131,3 +131,22 @@ def test_tokenizer_from_the_file(gguf_model):
     _, path, _ = gguf_model
     text = "Hello, world! How are you today?"
     assert load_gguf_tokenizer(path)(text).input_ids == builtin_tokenizer()(text).input_ids
+
+
+def test_the_first_mixtral_files_one_tensor_per_expert(tmp_path):
+    hf = make_checkpoint(str(tmp_path / "hf"), "mixtral", seed=5)
+    path = str(tmp_path / "mixtral-per-expert.gguf")
+    write_gguf(path, hf, "mixtral", per_expert=True)
+    assert "model.layers.1.block_sparse_moe.experts.7.w2.weight" in dict(iter_gguf_tensors(path))
+    _assert_logits_match(_engine(path), hf, seed=5, atol=1e-4)
+
+
+def test_kv_calc_sizes_the_file(gguf_model, capsys):
+    """kv-calc reads the GGUF metadata: the parameter count is the transformers model's."""
+    from tests.helpers.kv_calc import kv_calc_json
+
+    arch, path, hf = gguf_model
+    report = kv_calc_json(capsys, "--model", path, "--kv-dtype", "float32", "--context", "64")
+    assert report["params_total"] == sum(p.numel() for p in hf.parameters())
+    assert report["kv_bytes_per_token"] == 4 * 2 * hf.config.num_hidden_layers * attention_shape(hf.config)[1] * \
+        attention_shape(hf.config)[2]

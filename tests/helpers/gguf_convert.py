@@ -180,10 +180,12 @@ def _gguf_name(name: str, arch: str) -> str:
 
 
 @torch.no_grad()
-def write_gguf(path: str, model, model_type: str, qtype=Q.F32, seed: int = 0, split_kv_b: bool = True) -> None:
+def write_gguf(path: str, model, model_type: str, qtype=Q.F32, seed: int = 0, split_kv_b: bool = True,
+               per_expert: bool = False) -> None:
     """Write `model` (a transformers causal LM of `model_type`) to `path`; layer matrices stored as `qtype` where
     their rows split into its blocks (else F32), and the model's parameters set to what the file holds.
-    split_kv_b: DeepSeek's kv_b_proj as the newer converter writes it (k_b transposed, v_b), else whole."""
+    split_kv_b: DeepSeek's kv_b_proj as the newer converter writes it (k_b transposed, v_b), else whole.
+    per_expert: one tensor per expert and projection (`ffn_gate.{e}.weight`), as the first Mixtral files."""
     cfg, arch = model.config, _ARCH[model_type]
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, arch)
@@ -203,6 +205,10 @@ def write_gguf(path: str, model, model_type: str, qtype=Q.F32, seed: int = 0, sp
         if arch in _PERMUTED and local in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
             raw = _permute(raw, cfg.num_attention_heads if "q_proj" in local else cfg.num_key_value_heads)
         for part_name, part in _parts(gguf_name, local, raw, cfg, split_kv_b):
+            if per_expert and "_exps." in part_name:
+                for e, rows in enumerate(part):
+                    _add(writer, part_name.replace("_exps.", f".{e}."), np.ascontiguousarray(rows), quant)
+                continue
             _add(writer, part_name, part, quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
