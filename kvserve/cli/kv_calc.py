@@ -21,6 +21,14 @@ tensor-parallel rank; a sliding-window layer keeps min(context, W) tokens of a s
 its weights (model_loader/param_count.py: total, and active per token) are what `--device-memory` leaves the
 cache. Every report ends with the MHA / GQA / MLA comparison for the same model.
 
+`--json` fields (stable): everything the report prints, among them `kv_bytes_per_token` (alias
+`bytes_per_token`), `attention` (MHA / GQA / MQA / MLA), `kv_lora_rank`, `qk_rope_head_dim`, `sliding_window`,
+`num_sliding_layers`, `kv_bytes_per_sequence` (windows applied) and `kv_bytes_per_sequence_without_windows`,
+`max_sequences_in_memory` (and `_without_windows`), `params_total`, `params_active`, `num_experts`,
+`experts_per_token`, `weight_bytes_total`, `weight_bytes_active`, and `comparison`: one row per layout with
+`attention`, `num_kv_heads`, `bytes_per_token`, `kv_bytes_per_sequence`, `max_sequences_in_memory`, `configured`,
+`hypothetical`, `vs_configured`.
+
 Registered as a subcommand by `kvserve/cli/main.py` through `add_arguments` and `run`.
 """
 
