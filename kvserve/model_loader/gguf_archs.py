@@ -91,6 +91,8 @@ _DEEPSEEK2_LAYER_TENSORS = {
 GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch("LlamaForCausalLM", "llama", LLAMA_LAYER_TENSORS, permute_qk=True,
                       moe_hf_architecture="MixtralForCausalLM"),
+    "qwen2": GGUFArch("Qwen2ForCausalLM", "qwen2", LLAMA_LAYER_TENSORS | _QKV_BIAS),
+    "qwen3": GGUFArch("Qwen3ForCausalLM", "qwen3", LLAMA_LAYER_TENSORS | _QK_NORM),
     "qwen2moe": GGUFArch("Qwen2MoeForCausalLM", "qwen2_moe", LLAMA_LAYER_TENSORS | _QKV_BIAS | _QWEN2_SHARED),
     "qwen3moe": GGUFArch("Qwen3MoeForCausalLM", "qwen3_moe", LLAMA_LAYER_TENSORS | _QK_NORM),
     "olmoe": GGUFArch("OlmoeForCausalLM", "olmoe", LLAMA_LAYER_TENSORS | _QK_NORM),

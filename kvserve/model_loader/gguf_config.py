@@ -65,7 +65,8 @@ def rope_scaling(m: Metadata) -> dict[str, Any] | None:
     original = m.get("rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
-    for gguf_key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+    for gguf_key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"),
+                             ("rope.scaling.yarn_beta_slow", "beta_slow")):
         if m.get(gguf_key) is not None:
             scaling[hf_key] = float(m.get(gguf_key))
     log_mul = m.get("rope.scaling.yarn_log_multiplier")

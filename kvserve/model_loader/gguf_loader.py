@@ -1,6 +1,6 @@
 """Load GGUF files (llama.cpp's format) as Hugging Face pieces: `llama` (Llama, Mistral; Mixtral when it has
-experts) and the architectures of gguf_archs.py (qwen2moe, qwen3moe, olmoe, phi3, granite, granitemoe, gemma2,
-gemma3, deepseek2).
+experts) and the architectures of gguf_archs.py (qwen2, qwen3, qwen2moe, qwen3moe, olmoe, phi3, granite,
+granitemoe, gemma2, gemma3, deepseek2).
 
 Three independent readers share one file:
 - `load_gguf_config`: metadata only → the architecture's transformers config (gguf_config.py);

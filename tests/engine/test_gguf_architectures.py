@@ -1,9 +1,10 @@
 """GGUF files of the architectures beyond Llama (gguf `qwen3moe`, `qwen2moe`, `llama` with experts (Mixtral),
-`olmoe`, `granitemoe`, `phi3`, `granite`): tiny random transformers models written as llama.cpp's converter
-writes them (tests/helpers/gguf_convert.py: stacked experts, permuted Q/K rows, fused Phi-3 tensors), loaded by
-the engine from the .gguf file alone and compared with transformers on the same weights: the config read from
-the metadata, the experts each token picks, and the logits of a mixed batch. Quantized files (Q8_0 and the
-K-quants Q4_K / Q5_K / Q6_K, dequantized at load) against transformers holding the dequantized weights.
+`olmoe`, `granitemoe`, `phi3`, `granite`; dense `qwen2`, `qwen3`): tiny random transformers models written as
+llama.cpp's converter writes them (tests/helpers/gguf_convert.py: stacked experts, permuted Q/K rows, fused
+Phi-3 tensors), loaded by the engine from the .gguf file alone and compared with transformers on the same
+weights: the config read from the metadata, the stacked experts, the tokenizer, and the logits of a mixed
+batch. Quantized files (Q8_0 and the K-quants Q4_K / Q5_K / Q6_K, dequantized at load) against transformers
+holding the dequantized weights.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _assert_logits_match(engine: Engine, hf, seed: int, atol: float) -> None:
 
 
 def test_config_from_the_metadata_matches_transformers(gguf_model):
-    arch, path, hf = gguf_model
+    _, path, hf = gguf_model
     config, want = load_gguf_config(path), hf.config
     assert resolve_architecture(config)[0] == resolve_architecture(want)[0]
     assert attention_shape(config) == attention_shape(want)
@@ -59,7 +60,7 @@ def test_config_from_the_metadata_matches_transformers(gguf_model):
             value, expected = getattr(config, name), getattr(want, name)
             assert value == (pytest.approx(expected, rel=1e-6) if isinstance(expected, float) else expected), name
     assert config.rope_parameters["rope_theta"] == want.rope_parameters["rope_theta"]
-    assert getattr(config, "intermediate_size") == want.intermediate_size
+    assert config.intermediate_size == want.intermediate_size
     feats = resolve_architecture(want)[1]
     assert moe_layer_indices(config, feats) == moe_layer_indices(want, feats)   # Qwen: dense where no router
 
@@ -79,6 +80,27 @@ def test_stacked_experts_come_back_as_transformers_holds_them(gguf_model):
         if ".experts." in name or name.endswith("mlp.gate.weight"):
             got = ours[name.replace(".mlp.", f".{prefix}.")]
             assert torch.equal(got, param.detach()), name
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_dense_qwen_files(tmp_path, model_type):
+    """gguf `qwen2` (QKV biases) and `qwen3` (per-head q/k norms): no Q/K permutation in their converter."""
+    import transformers as tf
+
+    torch.manual_seed(2)
+    cls = tf.Qwen2Config if model_type == "qwen2" else tf.Qwen3Config
+    cfg = cls(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              intermediate_size=96, num_hidden_layers=2, max_position_embeddings=1024, tie_word_embeddings=True,
+              bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "eager"
+    hf = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.08) if p.dim() >= 2 else p.uniform_(0.6, 1.4)
+    path = str(tmp_path / f"{model_type}.gguf")
+    write_gguf(path, hf, model_type)
+    assert load_gguf_config(path).architectures == [type(hf).__name__]
+    _assert_logits_match(_engine(path), hf, seed=2, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- quantized files
@@ -145,7 +167,7 @@ def test_kv_calc_sizes_the_file(gguf_model, capsys):
     """kv-calc reads the GGUF metadata: the parameter count is the transformers model's."""
     from tests.helpers.kv_calc import kv_calc_json
 
-    arch, path, hf = gguf_model
+    _, path, hf = gguf_model
     report = kv_calc_json(capsys, "--model", path, "--kv-dtype", "float32", "--context", "64")
     assert report["params_total"] == sum(p.numel() for p in hf.parameters())
     assert report["kv_bytes_per_token"] == 4 * 2 * hf.config.num_hidden_layers * attention_shape(hf.config)[1] * \

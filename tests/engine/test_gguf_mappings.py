@@ -21,7 +21,7 @@ def _random(config):
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        for name, t in model.state_dict().items():
+        for t in model.state_dict().values():
             t.normal_(0, 0.08) if t.dim() >= 2 else t.uniform_(-0.4, 0.4)
     return model
 

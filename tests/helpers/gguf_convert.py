@@ -19,8 +19,9 @@ import torch
 Q = gguf.GGMLQuantizationType
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
-_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe",
-         "phi3": "phi3", "granite": "granite", "granitemoe": "granitemoe", "gemma2": "gemma2", "gemma3_text": "gemma3",
+_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+         "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "phi3": "phi3", "granite": "granite", "granitemoe": "granitemoe",
+         "gemma2": "gemma2", "gemma3_text": "gemma3",
          "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 _PERMUTED = ("llama", "granite", "granitemoe")  # LlamaModel and its subclasses in the converter
 _LAYER = {  # transformers' in-memory names (v5) -> llama.cpp's, within a layer
@@ -222,7 +223,8 @@ def _parts(gguf_name: str, local: str, raw: np.ndarray, cfg, split_kv_b: bool):
     layer = gguf_name.split(".")[1] if gguf_name.startswith("blk.") else None
     if local in _GATE_UP:                              # [E, 2I, H]
         half = raw.shape[1] // 2
-        return [(f"blk.{layer}.ffn_gate_exps.weight", raw[:, :half]), (f"blk.{layer}.ffn_up_exps.weight", raw[:, half:])]
+        return [(f"blk.{layer}.ffn_gate_exps.weight", raw[:, :half]),
+                (f"blk.{layer}.ffn_up_exps.weight", raw[:, half:])]
     if local == "self_attn.kv_b_proj.weight" and split_kv_b:
         nope = cfg.qk_nope_head_dim
         kv_b = raw.reshape(cfg.num_attention_heads, nope + cfg.v_head_dim, raw.shape[-1])
