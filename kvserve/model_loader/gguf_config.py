@@ -148,6 +148,13 @@ def _granite(m: Metadata, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {hf: float(m.get(key)) for key, hf in keys.items() if m.get(key) is not None}
 
 
+def _phi3(m: Metadata, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3-mini's window (its converter writes the config's sliding_window), on every layer as transformers
+    applies it."""
+    window = m.get("attention.sliding_window")
+    return {"sliding_window": int(window)} if window else {"sliding_window": None}
+
+
 def _olmoe(m: Metadata, kwargs: dict[str, Any]) -> dict[str, Any]:
     clip = m.get("attention.clamp_kqv")
     return {"clip_qkv": float(clip)} if clip else {}
@@ -204,7 +211,7 @@ def _deepseek2(m: Metadata, kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_EXTRAS = {"granite": _granite, "granitemoe": _granite, "olmoe": _olmoe, "gemma2": _gemma, "gemma3": _gemma,
+_EXTRAS = {"granite": _granite, "granitemoe": _granite, "olmoe": _olmoe, "phi3": _phi3, "gemma2": _gemma, "gemma3": _gemma,
            "deepseek2": _deepseek2}
 
 

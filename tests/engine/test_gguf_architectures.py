@@ -172,3 +172,14 @@ def test_kv_calc_sizes_the_file(gguf_model, capsys):
     assert report["params_total"] == sum(p.numel() for p in hf.parameters())
     assert report["kv_bytes_per_token"] == 4 * 2 * hf.config.num_hidden_layers * attention_shape(hf.config)[1] * \
         attention_shape(hf.config)[2]
+
+
+def test_phi3_window_from_the_metadata(tmp_path):
+    """Phi-3-mini's converter writes its sliding window (0 for none, Phi-4's)."""
+    import transformers as tf
+
+    cfg = tf.Phi3Config(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                        intermediate_size=128, num_hidden_layers=1, sliding_window=16, pad_token_id=0)
+    path = str(tmp_path / "phi3-window.gguf")
+    write_gguf(path, tf.AutoModelForCausalLM.from_config(cfg), "phi3")
+    assert load_gguf_config(path).sliding_window == 16

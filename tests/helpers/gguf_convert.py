@@ -132,6 +132,8 @@ def _metadata(writer: gguf.GGUFWriter, cfg, arch: str, split_kv_b: bool) -> None
         writer.add_embedding_scale(cfg.embedding_multiplier)
         writer.add_residual_scale(cfg.residual_multiplier)
         writer.add_logit_scale(cfg.logits_scaling)
+    if arch == "phi3":  # 0: no window (how the converter tells Phi-4 from Phi-3-mini's 2047)
+        writer.add_sliding_window(cfg.sliding_window or 0)
     if getattr(cfg, "clip_qkv", None):  # OLMo's converter key; the OLMoE releases have no clip (theirs writes none)
         writer.add_clamp_kqv(cfg.clip_qkv)
     if arch.startswith("gemma"):
