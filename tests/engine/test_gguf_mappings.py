@@ -82,3 +82,34 @@ def test_deepseek2_files(tmp_path, version, split_kv_b):
     if version == "v3":
         assert (got.n_group, got.topk_group) == (2, 1)
     _assert_tensors_match(path, model)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "phi3", "gemma2", "gemma3_text"])
+def test_the_test_converter_writes_what_transformers_reads(tmp_path, model_type):
+    """The oracle's own check: transformers' GGUF reader (which knows these architectures) finds in the files
+    tests/helpers/gguf_convert.py writes exactly the weights of the model written, so the conventions the
+    loader tests assume (stacked experts, Gemma's +1 norms, fused Phi-3 tensors) are llama.cpp's as transformers
+    reads them too. (Dense layers of a Qwen MoE model have no llama.cpp name: transformers maps none.)"""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tests.helpers.architectures import make_checkpoint
+    from tests.helpers.gguf import hf_gguf_config
+
+    if model_type.startswith("gemma"):
+        cls = tf.Gemma2Config if model_type == "gemma2" else tf.Gemma3TextConfig
+        model = _random(cls(**_COMMON, head_dim=32, intermediate_size=96, sliding_window=16,
+                            query_pre_attn_scalar=32))
+    else:
+        model = make_checkpoint(str(tmp_path / "hf"), model_type)
+    path = str(tmp_path / f"{model_type}.gguf")
+    write_gguf(path, model, model_type)
+    with torch.device("meta"):
+        skeleton = tf.AutoModelForCausalLM.from_config(hf_gguf_config(path))
+    theirs = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton,
+                                  torch_dtype=torch.float32)["tensors"]
+    want = model.state_dict()
+    unmapped = {k for k in want if k not in theirs}
+    assert all(".mlp.gate_proj." in k or ".mlp.up_proj." in k or ".mlp.down_proj." in k or k == "lm_head.weight"
+               for k in unmapped), sorted(unmapped)
+    for name in want.keys() - unmapped:
+        torch.testing.assert_close(theirs[name], want[name], atol=1e-6, rtol=0, msg=name)

@@ -223,6 +223,8 @@ def _parts(gguf_name: str, local: str, raw: np.ndarray, cfg, split_kv_b: bool):
     """The tensors the converter writes for one of transformers': experts' gate and up apart, DeepSeek's kv_b
     split in k_b (transposed) and v_b."""
     layer = gguf_name.split(".")[1] if gguf_name.startswith("blk.") else None
+    if gguf_name.endswith("ffn_gate_inp_shexp.weight"):  # llama.cpp holds Qwen2-MoE's [1, H] gate as [H]
+        return [(gguf_name, raw.reshape(-1))]
     if local in _GATE_UP:                              # [E, 2I, H]
         half = raw.shape[1] // 2
         return [(f"blk.{layer}.ffn_gate_exps.weight", raw[:, :half]),
