@@ -1,8 +1,8 @@
 """GGUF `gemma2`, `gemma3` and `deepseek2` files read back as transformers' Gemma 2 / Gemma 3 text / DeepSeek-V2 and
 V3 checkpoints: the config from the metadata and every tensor under its HF name (norms' +1 removed, DeepSeek's
-split k_b/v_b joined into kv_b_proj, experts stacked as transformers holds them). The models themselves are other
-helpers' (wired end to end at merge); here the mapping alone, against tiny random transformers models written
-as llama.cpp's converter writes them (tests/helpers/gguf_convert.py).
+split k_b/v_b joined into kv_b_proj, experts stacked as transformers holds them), then the engine serving the
+file alone against transformers' logits on a mixed batch; tiny random transformers models written as
+llama.cpp's converter writes them (tests/helpers/gguf_convert.py).
 """
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import pytest
 import torch
 import transformers as tf
 
+from kvserve.config import EngineArgs
+from kvserve.engine.engine import Engine
 from kvserve.model_loader.gguf_loader import iter_gguf_tensors, load_gguf_config
 from tests.helpers.gguf_convert import write_gguf
+from tests.helpers.oracles import hf_logits, mixed_batch, paged_logits
 
 _COMMON = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
                max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -19,6 +22,8 @@ _COMMON = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_
 
 def _random(config):
     torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for t in model.state_dict().values():
@@ -34,6 +39,14 @@ def _assert_tensors_match(path: str, model) -> None:
     for name, tensor in want.items():
         # NOTE: the file holds 1 + w for a Gemma norm: w comes back within a float32 rounding of 1
         torch.testing.assert_close(ours[name], tensor, atol=1e-7 if "norm" in name else 0, rtol=0, msg=name)
+
+
+def _assert_engine_matches(path: str, model) -> None:
+    engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=64))
+    batch = mixed_batch(seed=3)
+    for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
+        torch.testing.assert_close(got, hf_logits(model, tokens[:ctx + q])[ctx:ctx + q], atol=1e-4, rtol=1e-4)
+    engine.scheduler.check_invariants()
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
@@ -55,6 +68,7 @@ def test_gemma_files(tmp_path, model_type):
                   "hidden_activation", "rope_parameters"):
         assert getattr(got, field) == getattr(config, field), field
     _assert_tensors_match(path, model)
+    _assert_engine_matches(path, model)
 
 
 @pytest.mark.parametrize(("version", "split_kv_b"), [("v3", True), ("v3", False), ("v2", True)])
@@ -82,6 +96,7 @@ def test_deepseek2_files(tmp_path, version, split_kv_b):
     if version == "v3":
         assert (got.n_group, got.topk_group) == (2, 1)
     _assert_tensors_match(path, model)
+    _assert_engine_matches(path, model)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "phi3", "gemma2", "gemma3_text"])
