@@ -41,27 +41,57 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_positions, from HF's own rope initialisation
-    (so rope_scaling variants such as Llama-3's match the oracle exactly)."""
+    (so rope_scaling variants such as Llama-3's match the oracle exactly).
+
+    Partial RoPE (`partial_rotary_factor` < 1, Phi-4-mini): the tables are [P, R] for the first R of each head's
+    dims, which are all that rotate (LayerOps.rope_qk reads R from them).
+
+    longrope (Phi-3 long-context): transformers rotates a whole sequence with its short factors while the
+    sequence has at most `original_max_position_embeddings` (M) tokens, with its long ones once it is longer
+    (it drops its cache and recomputes everything at the crossing). Both tables are kept, stacked: rows
+    [0, P) short, [P, 2P) long; the model runner adds `long_switch`'s offset P to the positions of a request
+    whose sequence is longer than M in the step, counting its whole prompt (worker/step_inputs.py): a request
+    that stays within M, or whose prompt alone exceeds M, is computed exactly as transformers does. A request
+    whose prompt is within M but whose output crosses it keeps the short-rotated keys of its cached prefix
+    where transformers would re-rotate them all with the long factors: exact equivalence there would need the
+    whole sequence recomputed at the crossing, which a paged cache shared by prefix hits does not do. Likewise
+    a prefix-cache hit between requests on either side of M reads keys rotated with the other side's factors
+    (block keys do not name the factor set).
+    """
 
     def __init__(self, hf_config, max_positions: int):
         super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0
         hf_rope = LlamaRotaryEmbedding(config=hf_config)
-        inv_freq = hf_rope.inv_freq.float()                                   # [D/2]
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)                               # [P, D]
-        partial = (getattr(hf_config, "rope_parameters", None) or {}).get(
-            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-        if partial != 1.0 or emb.shape[-1] != hf_config.head_dim:
-            raise ValueError(f"RoPE over part of each head (partial_rotary_factor {partial}) is not supported yet")
-        if getattr(hf_rope, "rope_type", None) == "longrope":  # transformers switches factors by sequence length
-            raise ValueError("longrope RoPE scaling (Phi-3 long-context checkpoints) is not supported yet")
+        inv_freqs = [hf_rope.inv_freq.float()]                                # [R/2] per factor set
+        if partial != 1.0 and hf_rope.rope_type == "default":  # Llama's default rotates whole heads; Phi-3's not
+            from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+            inv_freqs = [Phi3RotaryEmbedding.compute_default_rope_parameters(hf_config)[0].float()]
+        rotary_dim = 2 * inv_freqs[0].numel()
+        if rotary_dim != int(hf_config.head_dim * partial) or rotary_dim > hf_config.head_dim:
+            raise ValueError(f"RoPE over {rotary_dim} of {hf_config.head_dim} head dims (partial_rotary_factor "
+                             f"{partial}): transformers' rotation for this config is not known here")
+        self.long_switch: tuple[int, int] | None = None
+        """longrope: (M, row offset of the long table): positions of requests longer than M come offset."""
+        if hf_rope.rope_type == "longrope":
+            original = int(params.get("original_max_position_embeddings")
+                           or getattr(hf_config, "original_max_position_embeddings"))
+            if max_positions > original:  # else no sequence ever switches: the short table alone
+                long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=original + 1)
+                inv_freqs.append(long_inv_freq.float())
+                self.long_switch = (original, max_positions)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.cat([torch.outer(positions, f) for f in inv_freqs])   # [P * sets, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                               # [P * sets, R]
         self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the step's positions, each [T, D]; looked up once per step, not per layer."""
+        """cos, sin for the step's positions, each [T, R]; looked up once per step, not per layer."""
         cos = self.cos.index_select(0, positions).to(dtype)
         sin = self.sin.index_select(0, positions).to(dtype)
         return cos, sin

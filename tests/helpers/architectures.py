@@ -7,7 +7,9 @@ import os
 import torch
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, **overrides):
+    """The tiny config of `arch`, built by transformers' own config class; `overrides` replace or add constructor
+    arguments (other shapes and RoPE variants: tests/engine/test_architecture_variants.py)."""
     import transformers as tf
 
     common = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -15,40 +17,45 @@ def tiny_config(arch: str):
                   rms_norm_eps=1e-5)
     moe = dict(num_experts_per_tok=2, intermediate_size=96)
     if arch == "qwen3_moe":  # layer 1 dense (mlp_only_layers), per-head q/k norm, renormalised top-k
-        return tf.Qwen3MoeConfig(**common, **moe, num_hidden_layers=3, head_dim=32, num_experts=8,
-                                 moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)
-    if arch == "mixtral":    # every layer sparse, experts named w1/w3/w2 under block_sparse_moe
-        return tf.MixtralConfig(**common, num_experts_per_tok=2, intermediate_size=48, num_hidden_layers=2,
-                                num_local_experts=8, sliding_window=None)
-    if arch == "qwen2_moe":  # layers 1 and 3 sparse (decoder_sparse_step 2), a gated shared expert, qkv bias
-        return tf.Qwen2MoeConfig(**common, **moe, num_hidden_layers=4, num_experts=8, moe_intermediate_size=32,
-                                 shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=False)
-    if arch == "olmoe":      # q/k norm over the whole projection, clip_qkv, top-k not renormalised
-        return tf.OlmoeConfig(**common, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
-                              num_experts=8, clip_qkv=1.5, norm_topk_prob=False)
-    if arch == "granitemoe":  # the four multipliers; experts stored stacked (input_linear / output_linear)
-        return tf.GraniteMoeConfig(**common, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
-                                   num_local_experts=8, embedding_multiplier=6.0, attention_multiplier=0.2,
-                                   residual_multiplier=0.4, logits_scaling=3.0)
-    if arch == "phi3":       # qkv_proj and gate_up_proj fused in the checkpoint
-        return tf.Phi3Config(**common, intermediate_size=128, num_hidden_layers=2, pad_token_id=0)
-    if arch == "granite":    # the four multipliers
-        return tf.GraniteConfig(**common, intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
-                                attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
-    raise ValueError(arch)
+        cls, kwargs = tf.Qwen3MoeConfig, dict(**moe, num_hidden_layers=3, head_dim=32, num_experts=8,
+                                              moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)
+    elif arch == "mixtral":    # every layer sparse, experts named w1/w3/w2 under block_sparse_moe
+        cls, kwargs = tf.MixtralConfig, dict(num_experts_per_tok=2, intermediate_size=48, num_hidden_layers=2,
+                                             num_local_experts=8, sliding_window=None)
+    elif arch == "qwen2_moe":  # layers 1 and 3 sparse (decoder_sparse_step 2), a gated shared expert, qkv bias
+        cls, kwargs = tf.Qwen2MoeConfig, dict(**moe, num_hidden_layers=4, num_experts=8, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=48, decoder_sparse_step=2,
+                                              norm_topk_prob=False)
+    elif arch == "olmoe":      # q/k norm over the whole projection, clip_qkv, top-k not renormalised
+        cls, kwargs = tf.OlmoeConfig, dict(num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
+                                           num_experts=8, clip_qkv=1.5, norm_topk_prob=False)
+    elif arch == "granitemoe":  # the four multipliers; experts stored stacked (input_linear / output_linear)
+        cls, kwargs = tf.GraniteMoeConfig, dict(num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
+                                                num_local_experts=8, embedding_multiplier=6.0,
+                                                attention_multiplier=0.2, residual_multiplier=0.4,
+                                                logits_scaling=3.0)
+    elif arch == "phi3":       # qkv_proj and gate_up_proj fused in the checkpoint
+        cls, kwargs = tf.Phi3Config, dict(intermediate_size=128, num_hidden_layers=2, pad_token_id=0)
+    elif arch == "granite":    # the four multipliers
+        cls, kwargs = tf.GraniteConfig, dict(intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
+                                             attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
+    else:
+        raise ValueError(arch)
+    return cls(**(common | kwargs | overrides))
 
 
-def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool = False):
+def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool = False, **overrides):
     """Write a tiny random checkpoint + the SmolLM2 tokenizer to `path`; returns transformers' model (eager
     attention and experts), the oracle. stacked_experts: the experts saved as transformers holds them
-    (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) rather than one tensor per expert."""
+    (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) rather than one tensor per expert.
+    overrides: tiny_config's."""
     import transformers as tf
     from safetensors.torch import save_file
 
     from tests.helpers.checkpoints import builtin_tokenizer
 
     torch.manual_seed(seed)
-    cfg = tiny_config(arch)
+    cfg = tiny_config(arch, **overrides)
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
