@@ -74,3 +74,51 @@ def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool =
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     builtin_tokenizer().save_pretrained(path)
     return model
+
+
+def checkpoint_tensor_names(path: str) -> set[str]:
+    """The tensor names of the checkpoint in folder `path` (one model.safetensors)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+def assert_every_tensor_consumed(engine, path: str, stacked: bool = False) -> None:
+    """The checkpoint's tensor names are exactly those the model loads (none left over, none missing); experts
+    one tensor each, or stacked (Granite-MoE's, or transformers' own 3-D tensors)."""
+    from kvserve.model_loader.weight_loader import expected_tensors
+
+    model = engine.core.executor.worker.runner.model
+    needed = {name for name, t in expected_tensors(model).items() if not t.expert or t.stacked == stacked}
+    assert checkpoint_tensor_names(path) == needed
+
+
+@torch.inference_mode()
+def chosen_experts(engine, hf, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sparse layer, the experts (sorted, [T, k]) each prompt token picks: ours (FusedMoE's routing of our
+    router's logits), then transformers' (its TopKRouter's output), over one prefill of `tokens`."""
+    from kvserve.layers.moe import select_experts
+    from tests.helpers.oracles import hf_logits, paged_logits
+
+    ours, theirs, hooks = [], [], []
+    blocks = [layer.mlp for layer in engine.core.executor.worker.runner.model.layers if hasattr(layer.mlp, "experts")]
+    for block in blocks:
+        # NOTE: our model calls forward, not __call__ (no hooks): the router's forward is wrapped instead
+        def recording(x, forward=block.gate.forward, experts=block.experts):
+            logits = forward(x)
+            ours.append(select_experts(logits, experts.top_k, experts.renormalize)[1].sort(-1).values)
+            return logits
+        block.gate.forward = recording
+    for module in hf.modules():  # each architecture's TopKRouter returns (logits, weights, expert ids)
+        if type(module).__name__.endswith("TopKRouter"):
+            hooks.append(module.register_forward_hook(lambda m, i, out: theirs.append(out[2].sort(-1).values)))
+    try:
+        paged_logits(engine, [(tokens, 0, len(tokens))])
+        hf_logits(hf, tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+        for block in blocks:
+            del block.gate.forward
+    return ours, theirs

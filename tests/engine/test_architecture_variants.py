@@ -1,0 +1,146 @@
+"""The landed architectures on checkpoints of other shapes and seeds than tests/engine/test_new_architectures.py's,
+against transformers: head_dim other than hidden / heads, one KV head and as many KV heads as query heads, tied
+embeddings, an odd vocabulary, 4 and 16 experts with 1 and 4 per token, top-k renormalised or not, Mixtral and
+Phi-3 with a sliding window shorter than the sequences, Qwen2-MoE's shared expert at another width, Phi-3 with
+RoPE over part of each head (Phi-4-mini) and with longrope scaling (Phi-3 128k), Granite with other multipliers.
+
+Each variant: every checkpoint tensor consumed, the experts each token picks equal transformers' (before the
+logits: a near-tie could flip one), the logits of a mixed batch through the paged cache, and greedy tokens
+with chunked prefill and a prefix-cache hit, block invariants after every step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.config import EngineArgs
+from kvserve.engine.engine import Engine
+from kvserve.sampling_params import SamplingParams
+from tests.helpers.architectures import assert_every_tensor_consumed, chosen_experts, make_checkpoint
+from tests.helpers.engine import run_last_after_prefix
+from tests.helpers.oracles import assert_logits_match_hf, hf_greedy, mixed_batch
+
+
+def _longrope(rotary_dim: int, original: int = 32) -> dict:
+    """Phi-3 128k-style longrope over `rotary_dim` dims, switching at `original` tokens (factor sets far apart,
+    so that a request rotated with the wrong set fails)."""
+    n = rotary_dim // 2
+    return dict(original_max_position_embeddings=original,
+                rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(n)],
+                              "long_factor": [2.0 + 0.7 * i for i in range(n)]})
+
+
+# (id, architecture, seed, config overrides, attention backend: torch_ref where a window is shorter than the
+# sequences, which the kernels refuse until they attend through windows)
+VARIANTS = [
+    ("qwen3_moe-head_dim24-kv1-E4-k1", "qwen3_moe", 11,
+     dict(head_dim=24, num_key_value_heads=1, num_experts=4, num_experts_per_tok=1, norm_topk_prob=False), None),
+    ("qwen3_moe-kv4-E16-k4-tied-vocab50021", "qwen3_moe", 12,
+     dict(num_key_value_heads=4, num_experts=16, num_experts_per_tok=4, tie_word_embeddings=True,
+          vocab_size=50021, mlp_only_layers=[], decoder_sparse_step=2), None),
+    ("mixtral-window8-E4-k1", "mixtral", 13,
+     dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=1), "torch_ref"),
+    ("mixtral-E16-k4-kv4-tied", "mixtral", 14,
+     dict(num_local_experts=16, num_experts_per_tok=4, num_key_value_heads=4, tie_word_embeddings=True), None),
+    ("qwen2_moe-shared80-renorm-E16-k4-kv1", "qwen2_moe", 15,
+     dict(shared_expert_intermediate_size=80, norm_topk_prob=True, num_experts=16, num_experts_per_tok=4,
+          num_key_value_heads=1, decoder_sparse_step=1, mlp_only_layers=[0]), None),
+    ("olmoe-E4-k1-renorm-noclip-kv4", "olmoe", 16,
+     dict(num_experts=4, num_experts_per_tok=1, norm_topk_prob=True, clip_qkv=None, num_key_value_heads=4), None),
+    ("olmoe-E16-k4-kv1-vocab50021", "olmoe", 17,
+     dict(num_experts=16, num_experts_per_tok=4, num_key_value_heads=1, vocab_size=50021), None),
+    ("granitemoe-E16-k4-kv1-tied-multipliers", "granitemoe", 18,
+     dict(num_local_experts=16, num_experts_per_tok=4, num_key_value_heads=1, tie_word_embeddings=True,
+          embedding_multiplier=12.0, attention_multiplier=0.05, residual_multiplier=0.22, logits_scaling=8.0), None),
+    ("granitemoe-E4-k1-kv4", "granitemoe", 19,
+     dict(num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=4), None),
+    ("phi3-partial0.75-kv1-tied", "phi3", 20,
+     dict(partial_rotary_factor=0.75, num_key_value_heads=1, tie_word_embeddings=True), None),
+    ("phi3-longrope", "phi3", 21, _longrope(16), None),
+    ("phi3-longrope-partial0.5-kv4", "phi3", 22,
+     dict(partial_rotary_factor=0.5, num_key_value_heads=4, **_longrope(8)), None),
+    ("phi3-window8", "phi3", 23, dict(sliding_window=8), "torch_ref"),
+    ("granite-kv1-tied-multipliers", "granite", 24,
+     dict(num_key_value_heads=1, tie_word_embeddings=True, embedding_multiplier=3.0, attention_multiplier=0.4,
+          residual_multiplier=0.8, logits_scaling=0.5), None),
+    ("granite-kv4-vocab50021", "granite", 25, dict(num_key_value_heads=4, vocab_size=50021), None),
+]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[v[0] for v in VARIANTS])
+def variant(request, tmp_path_factory):
+    """(architecture, path, transformers model, attention backend) of one variant, written once per module."""
+    name, arch, seed, overrides, backend = request.param
+    path = str(tmp_path_factory.mktemp(name.replace(".", "_")))
+    return arch, path, make_checkpoint(path, arch, seed=seed, **overrides), backend
+
+
+def _engine(path: str, backend: str | None, **kwargs) -> Engine:
+    return Engine(EngineArgs(model=path, num_gpu_blocks_override=64, attention_backend=backend or "auto",
+                             **kwargs))
+
+
+def test_tensors_experts_and_logits_match_transformers(variant):
+    arch, path, hf, backend = variant
+    engine = _engine(path, backend)
+    assert_every_tensor_consumed(engine, path, stacked=arch == "granitemoe")
+    batch = mixed_batch(seed=len(path))
+    ours, theirs = chosen_experts(engine, hf, batch[0][0])
+    assert len(ours) == len(theirs) and bool(ours) == (arch not in ("phi3", "granite"))
+    for got, want in zip(ours, theirs):
+        assert torch.equal(got, want)
+    assert_logits_match_hf(engine, hf, batch, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_match_transformers_with_chunked_prefill_and_prefix_hit(variant):
+    """Two prompts sharing a 40-token prefix and a short one, in 16-token chunks; the last after the others
+    finish (a prefix-cache hit)."""
+    arch, path, hf, backend = variant
+    engine = _engine(path, backend, max_num_batched_tokens=16, enable_chunked_prefill=True)
+    g = torch.Generator().manual_seed(len(path))
+    prefix = torch.randint(0, 49152, (40,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 49152, (5,), generator=g).tolist(),
+               torch.randint(0, 49152, (12,), generator=g).tolist(),
+               prefix + torch.randint(0, 49152, (9,), generator=g).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    done = run_last_after_prefix(engine, prompts, params)
+    assert done["2"].num_cached_tokens >= 32
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == hf_greedy(hf, prompt, 8)[0], f"request {i}"
+
+
+def test_rope_tables_are_whole_head_and_single_without_the_variants():
+    """The common case keeps its cost: one [P, head_dim] table, no longrope switch (no position offsets)."""
+    from kvserve.model_loader.loader import normalize_config
+    from kvserve.models.llama import RotaryEmbedding
+    from tests.helpers.architectures import tiny_config
+
+    rope = RotaryEmbedding(normalize_config(tiny_config("phi3")), 64)
+    assert rope.cos.shape == (64, 16) and rope.long_switch is None
+
+
+def test_longrope_tables_and_which_requests_read_the_long_one():
+    """Short factors up to M = original_max_position_embeddings positions (the only table when max_model_len
+    <= M), long ones stacked below; a request reads the long table once its sequence, whole prompt counted,
+    is longer than M."""
+    from kvserve.model_loader.loader import normalize_config
+    from kvserve.models.llama import RotaryEmbedding
+    from kvserve.worker.input_batch import CachedRequestState
+    from kvserve.worker.step_inputs import rope_positions
+    from tests.helpers.architectures import tiny_config
+
+    cfg = normalize_config(tiny_config("phi3", **_longrope(16)))
+    assert RotaryEmbedding(cfg, 32).long_switch is None
+    rope = RotaryEmbedding(cfg, 100)
+    assert rope.long_switch == (32, 100) and rope.cos.shape == (200, 16)
+    assert not torch.equal(rope.cos[:100], rope.cos[100:])
+
+    class Batch:  # the one InputBatch field rope_positions reads
+        states = [CachedRequestState(str(n), [0] * n, SamplingParams(), (), None, 0) for n in (40, 10, 10)]
+
+    # request 0: a 40-token prompt's first chunk; 1: a 10-token prompt's decode at 31 (32 tokens); 2: at 32
+    positions = np.array([0, 1, 2, 31, 32])
+    req_idx = np.array([0, 0, 0, 1, 2])
+    got = rope_positions(Batch(), np.arange(3), req_idx, positions, np.array([3, 32, 33]), rope.long_switch)
+    assert got.tolist() == [100, 101, 102, 31, 132]
