@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
         """longrope: (M, row offset of the long table): positions of requests longer than M come offset."""
         if hf_rope.rope_type == "longrope":
             original = int(params.get("original_max_position_embeddings")
-                           or getattr(hf_config, "original_max_position_embeddings"))
+                           or hf_config.original_max_position_embeddings)
             if max_positions > original:  # else no sequence ever switches: the short table alone
                 long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=original + 1)
                 inv_freqs.append(long_inv_freq.float())

@@ -96,7 +96,7 @@ def test_tensors_experts_and_logits_match_transformers(variant):
 def test_greedy_tokens_match_transformers_with_chunked_prefill_and_prefix_hit(variant):
     """Two prompts sharing a 40-token prefix and a short one, in 16-token chunks; the last after the others
     finish (a prefix-cache hit)."""
-    arch, path, hf, backend = variant
+    _, path, hf, backend = variant
     engine = _engine(path, backend, max_num_batched_tokens=16, enable_chunked_prefill=True)
     g = torch.Generator().manual_seed(len(path))
     prefix = torch.randint(0, 49152, (40,), generator=g).tolist()
@@ -137,7 +137,8 @@ def test_longrope_tables_and_which_requests_read_the_long_one():
     assert not torch.equal(rope.cos[:100], rope.cos[100:])
 
     class Batch:  # the one InputBatch field rope_positions reads
-        states = [CachedRequestState(str(n), [0] * n, SamplingParams(), (), None, 0) for n in (40, 10, 10)]
+        def __init__(self):
+            self.states = [CachedRequestState(str(n), [0] * n, SamplingParams(), (), None, 0) for n in (40, 10, 10)]
 
     # request 0: a 40-token prompt's first chunk; 1: a 10-token prompt's decode at 31 (32 tokens); 2: at 32
     positions = np.array([0, 1, 2, 31, 32])

@@ -119,32 +119,39 @@ def _shared_prefix_requests(seed: int) -> list[tuple[list[int], int]]:
     return [(p, n) for p, n in zip(prompts, (12, 16, 9, 14, 16, 11))]
 
 
-@pytest.mark.parametrize("spec", [None, "ngram", "draft_model"])
-def test_greedy_tokens_match_transformers_through_preemption(checkpoint, spec):
+@pytest.mark.parametrize("spec", [None, "ngram", "draft_model", "other_draft_model"])
+def test_greedy_tokens_match_transformers_through_preemption(checkpoint, spec, tmp_path):
     """A pool of 14 blocks of 8 tokens for six requests of up to 84 tokens queued at once: requests are
     preempted and recomputed, prompts are chunked (24 tokens a step) and hit each other's prefixes; with
-    speculation, drafts (n-gram lookup, or the checkpoint as its own draft model) are verified through the
-    experts. Every request's greedy tokens equal transformers'; block invariants after every step."""
+    speculation, drafts (n-gram lookup; the checkpoint as its own draft model; another checkpoint of the same
+    architecture, other weights, whose drafts are mostly rejected) are verified through the experts. Every
+    request's greedy tokens equal transformers'; block invariants after every step."""
     arch, path, hf = checkpoint
-    speculative = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                             "prompt_lookup_max": 3, "adaptive": False},
-                   "draft_model": {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
-                                   "adaptive": False}}.get(spec)
+    draft = path
+    if spec == "other_draft_model":
+        make_checkpoint(str(tmp_path), arch, seed=99)
+        draft = str(tmp_path)
+    speculative = None if spec is None else {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False} if spec == "ngram" else {
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
     reqs = _shared_prefix_requests(seed=len(arch))
     engine, done = assert_matches_hf(dict(model=path, num_gpu_blocks_override=14, block_size=8,
                                           max_num_batched_tokens=24, max_num_seqs=6,
                                           speculative_config=speculative), reqs, hf,
                                      # NOTE: a draft model holds look-ahead slots past the verified tokens
-                                     after_step=None if spec == "draft_model" else check_tables_cover_only_computed)
+                                     after_step=check_tables_cover_only_computed if spec in (None, "ngram") else None)
     stats = engine.scheduler.stats
     assert stats.num_preemptions > 0
     # n-gram lookup proposes once a sampled token occurred earlier (random weights may never repeat one)
     outs = [done[str(i)].outputs[0].token_ids for i in range(len(reqs))]
     lookup_hits = any(out[j] in prompt + out[:j] for (prompt, _), out in zip(reqs, outs) for j in range(len(out) - 1))
-    if spec == "draft_model" or (spec == "ngram" and lookup_hits):
+    if spec in ("draft_model", "other_draft_model") or (spec == "ngram" and lookup_hits):
         assert stats.num_spec_drafts > 0
     if spec == "draft_model":  # its own draft: nearly every draft accepted
         assert stats.num_spec_accepted_tokens > 0.9 * stats.num_spec_draft_tokens
+    if spec == "other_draft_model":  # unrelated weights: most drafts rejected
+        assert stats.num_spec_accepted_tokens < 0.5 * stats.num_spec_draft_tokens
 
 
 def test_stacked_expert_tensors_load_as_per_expert_ones(tmp_path):
