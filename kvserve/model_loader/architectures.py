@@ -95,3 +95,14 @@ def layer_sliding_windows(hf_config) -> list[int | None]:
     if types:
         return [int(window) if t == "sliding_attention" else None for t in types]
     return [int(window)] * n
+
+
+def longrope_switch_length(hf_config, max_positions: int) -> int | None:
+    """longrope (Phi-3 long-context): the sequence length M = original_max_position_embeddings past which
+    transformers rotates with the long factors, when sequences of up to max_positions tokens can pass it; None
+    for other RoPE types, or when none can (the short factors alone)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    original = int(params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
+    return original if max_positions > original else None

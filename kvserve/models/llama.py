@@ -24,8 +24,8 @@ from kvserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear
 from kvserve.layers.linear_methods import DenseMethod, LinearMethod
 from kvserve.layers.moe import FusedMoE
 from kvserve.layers.parallel import ShardContext
-from kvserve.model_loader.architectures import (ArchFeatures, layer_sliding_windows, moe_intermediate_size,
-                                                moe_layer_indices, num_experts)
+from kvserve.model_loader.architectures import (ArchFeatures, layer_sliding_windows, longrope_switch_length,
+                                                moe_intermediate_size, moe_layer_indices, num_experts)
 from kvserve.models.layer_ops import LayerOps
 
 
@@ -47,16 +47,16 @@ class RotaryEmbedding(nn.Module):
     dims, which are all that rotate (LayerOps.rope_qk reads R from them).
 
     longrope (Phi-3 long-context): transformers rotates a whole sequence with its short factors while the
-    sequence has at most `original_max_position_embeddings` (M) tokens, with its long ones once it is longer
-    (it drops its cache and recomputes everything at the crossing). Both tables are kept, stacked: rows
-    [0, P) short, [P, 2P) long; the model runner adds `long_switch`'s offset P to the positions of a request
-    whose sequence is longer than M in the step, counting its whole prompt (worker/step_inputs.py): a request
-    that stays within M, or whose prompt alone exceeds M, is computed exactly as transformers does. A request
-    whose prompt is within M but whose output crosses it keeps the short-rotated keys of its cached prefix
-    where transformers would re-rotate them all with the long factors: exact equivalence there would need the
-    whole sequence recomputed at the crossing, which a paged cache shared by prefix hits does not do. Likewise
-    a prefix-cache hit between requests on either side of M reads keys rotated with the other side's factors
-    (block keys do not name the factor set).
+    sequence has at most M = `original_max_position_embeddings` tokens, with its long ones once it is longer
+    (its generate drops the cache and recomputes everything at the crossing). Both tables are kept, stacked:
+    rows [0, P) short, [P, 2P) long; the model runner adds `long_switch`'s offset P to the positions of a
+    request whose prompt is longer than M (worker/step_inputs.py rope_positions), and the engine keys such a
+    request's prefix-cache blocks apart (engine/core.py), so a request whose prompt exceeds M, or whose whole
+    sequence stays within M, is computed exactly as transformers does. Known caveat: a request whose prompt is
+    within M but whose output crosses it keeps the short factors to its end, where transformers would re-rotate
+    the whole sequence with the long ones. A paged cache cannot do that re-rotation (blocks are shared by
+    prefix hits, and their keys are rotated when written); switching only the new tokens instead would rotate
+    queries and cached keys with different frequencies, which breaks RoPE's relative-position property.
     """
 
     def __init__(self, hf_config, max_positions: int):
@@ -76,14 +76,12 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RoPE over {rotary_dim} of {hf_config.head_dim} head dims (partial_rotary_factor "
                              f"{partial}): transformers' rotation for this config is not known here")
         self.long_switch: tuple[int, int] | None = None
-        """longrope: (M, row offset of the long table): positions of requests longer than M come offset."""
-        if hf_rope.rope_type == "longrope":
-            original = int(params.get("original_max_position_embeddings")
-                           or hf_config.original_max_position_embeddings)
-            if max_positions > original:  # else no sequence ever switches: the short table alone
-                long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=original + 1)
-                inv_freqs.append(long_inv_freq.float())
-                self.long_switch = (original, max_positions)
+        """longrope: (M, row offset of the long table): positions of requests whose prompt exceeds M come offset."""
+        original = longrope_switch_length(hf_config, max_positions)
+        if original is not None:  # else no sequence ever switches: the short table alone
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=original + 1)
+            inv_freqs.append(long_inv_freq.float())
+            self.long_switch = (original, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.cat([torch.outer(positions, f) for f in inv_freqs])   # [P * sets, R/2]
         emb = torch.cat((freqs, freqs), dim=-1)                               # [P * sets, R]

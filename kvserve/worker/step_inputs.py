@@ -79,16 +79,15 @@ def token_positions(computed: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarra
 
 
 def rope_positions(batch: InputBatch, rows: np.ndarray, req_idx: np.ndarray, positions: np.ndarray,
-                   seq_lens: np.ndarray, long_switch: tuple[int, int] | None) -> np.ndarray:
+                   long_switch: tuple[int, int] | None) -> np.ndarray:
     """The rows of the model's RoPE tables the tokens read: their positions, except under longrope
-    (`long_switch` (M, offset): models/llama.py RotaryEmbedding), where the tokens of a request whose sequence,
-    whole prompt included, is longer than M in this step read the long-factor table, `offset` rows down."""
+    (`long_switch` (M, offset): models/llama.py RotaryEmbedding), where the tokens of a request whose prompt
+    is longer than M read the long-factor table, `offset` rows down."""
     if long_switch is None:
         return positions
     original, offset = long_switch
-    prompt_lens = np.fromiter((len(batch.states[r].prompt_token_ids) for r in rows), dtype=np.int64,
-                              count=len(rows))                                                       # [B]
-    long = np.maximum(seq_lens, prompt_lens) > original                                             # [B]
+    long = np.fromiter((len(batch.states[r].prompt_token_ids) > original for r in rows), dtype=np.int64,
+                       count=len(rows))                                                              # [B]
     return positions + offset * long[req_idx]
 
 
@@ -175,7 +174,7 @@ def build_step_inputs(batch: InputBatch, out: SchedulerOutput, block_size: int, 
     meta = attention_metadata(batch, attn, slots, bool(num_drafts.any()), block_size, device)
     sampling, num_logits, logits_indices = logits_layout(cu, samples, num_drafts)
     sample_ids = [req_ids[i] for i in sampling]
-    rope_rows = rope_positions(batch, rows, req_idx, positions, seq_lens, long_switch)               # [T]
+    rope_rows = rope_positions(batch, rows, req_idx, positions, long_switch)               # [T]
     return StepInputs(
         input_ids=torch.from_numpy(input_ids).to(device), positions=torch.from_numpy(rope_rows).to(device),
         attn=meta, logits_indices=torch.from_numpy(logits_indices).to(device),

@@ -18,7 +18,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.architectures import assert_every_tensor_consumed, chosen_experts, make_checkpoint
-from tests.helpers.engine import run_last_after_prefix
+from tests.helpers.engine import run_last_after_prefix, run_to_completion
 from tests.helpers.oracles import assert_logits_match_hf, hf_greedy, mixed_batch
 
 
@@ -122,8 +122,7 @@ def test_rope_tables_are_whole_head_and_single_without_the_variants():
 
 def test_longrope_tables_and_which_requests_read_the_long_one():
     """Short factors up to M = original_max_position_embeddings positions (the only table when max_model_len
-    <= M), long ones stacked below; a request reads the long table once its sequence, whole prompt counted,
-    is longer than M."""
+    <= M), long ones stacked below; a request whose prompt is longer than M reads the long table."""
     from kvserve.model_loader.loader import normalize_config
     from kvserve.models.llama import RotaryEmbedding
     from kvserve.worker.input_batch import CachedRequestState
@@ -138,10 +137,43 @@ def test_longrope_tables_and_which_requests_read_the_long_one():
 
     class Batch:  # the one InputBatch field rope_positions reads
         def __init__(self):
-            self.states = [CachedRequestState(str(n), [0] * n, SamplingParams(), (), None, 0) for n in (40, 10, 10)]
+            self.states = [CachedRequestState(str(n), [0] * n, SamplingParams(), (), None, 0) for n in (33, 32)]
 
-    # request 0: a 40-token prompt's first chunk; 1: a 10-token prompt's decode at 31 (32 tokens); 2: at 32
-    positions = np.array([0, 1, 2, 31, 32])
-    req_idx = np.array([0, 0, 0, 1, 2])
-    got = rope_positions(Batch(), np.arange(3), req_idx, positions, np.array([3, 32, 33]), rope.long_switch)
-    assert got.tolist() == [100, 101, 102, 31, 132]
+    # request 0: a 33-token prompt's first chunk; 1: a 32-token prompt's decode at 40 (past M: still short)
+    got = rope_positions(Batch(), np.arange(2), np.array([0, 0, 0, 1]), np.array([0, 1, 2, 40]), rope.long_switch)
+    assert got.tolist() == [100, 101, 102, 40]
+
+
+@pytest.fixture(scope="module")
+def longrope_phi3(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("phi3_longrope"))
+    return path, make_checkpoint(path, "phi3", seed=31, **_longrope(16))
+
+
+@pytest.mark.parametrize("long_first", [True, False])
+def test_longrope_prompts_either_side_of_the_switch_share_no_blocks(longrope_phi3, long_first):
+    """A 44-token prompt (long factors) and a 28-token one (short; 4 tokens more stay within M = 32) share a
+    24-token prefix, one after the other: the second hits no block of the first (their keys are rotated with
+    other factors), and both equal transformers'."""
+    path, hf = longrope_phi3
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 49152, (24,), generator=g).tolist()
+    long, short = prefix + torch.randint(0, 49152, (20,), generator=g).tolist(), prefix + [11, 12, 13, 14]
+    prompts = [long, short] if long_first else [short, long]
+    engine = _engine(path, None)
+    done = run_last_after_prefix(engine, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert done["1"].num_cached_tokens == 0
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == hf_greedy(hf, prompt, 4)[0], f"request {i}"
+
+
+def test_longrope_output_crossing_the_switch_equals_transformers_until_it(longrope_phi3):
+    """The documented caveat (models/llama.py RotaryEmbedding): a 28-token prompt keeps the short factors past
+    M = 32, where transformers recomputes the whole sequence with the long ones; its tokens up to the crossing
+    are transformers'."""
+    path, hf = longrope_phi3
+    prompt = torch.randint(0, 49152, (28,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine = _engine(path, None)
+    engine.add_request("0", prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    got = run_to_completion(engine)
+    assert got["0"].outputs[0].token_ids[:5] == hf_greedy(hf, prompt, 10)[0][:5]
