@@ -11,16 +11,23 @@ from tests.helpers.engine import run_to_completion
 from tests.helpers.oracles import hf_greedy
 from tests.helpers.tensor_parallel import TP_ARGS, run_tp, tp_mixed_batch
 
-TP_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "granitemoe", "phi3", "granite"]
+# Phi-4-mini-style partial RoPE with Phi-3-128k-style longrope switching at 16 tokens: of the two prompts below,
+# one is past the switch (long factors) and one stays within it (short)
+_PHI3_ROPE = dict(partial_rotary_factor=0.5, original_max_position_embeddings=16,
+                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3],
+                                "long_factor": [2.0, 2.7, 3.4, 4.1]})
+TP_ARCHS = [("qwen3_moe", {}), ("mixtral", {}), ("qwen2_moe", {}), ("granitemoe", {}), ("phi3", {}),
+            ("granite", {}), ("phi3", _PHI3_ROPE)]
 
 
-@pytest.mark.parametrize("arch", TP_ARCHS)
-def test_tensor_parallel_two_ranks_match_transformers(tmp_path, arch):
+@pytest.mark.parametrize(("arch", "overrides"), TP_ARCHS, ids=[a + ("-rope" if o else "") for a, o in TP_ARCHS])
+def test_tensor_parallel_two_ranks_match_transformers(tmp_path, arch, overrides):
     """TP=2 (gloo): experts split over their intermediate dimension, the shared expert as a dense MLP (Qwen2-MoE);
-    the checkpoint's fused qkv_proj / gate_up_proj cut into each rank's heads and rows (Phi-3)."""
+    the checkpoint's fused qkv_proj / gate_up_proj cut into each rank's heads and rows (Phi-3), each rank's
+    heads rotated over their leading dims with the factor set of their request (partial RoPE, longrope)."""
     from kvserve.engine.llm import LLM
 
-    hf = make_checkpoint(str(tmp_path), arch, seed=5)
+    hf = make_checkpoint(str(tmp_path), arch, seed=5, **overrides)
     llm = LLM(str(tmp_path), tensor_parallel_size=2, num_gpu_blocks_override=64, max_num_batched_tokens=16,
               num_threads=1)
     try:
