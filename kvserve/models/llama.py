@@ -13,6 +13,8 @@ included, and multiply through a pluggable method; model_loader/weight_loader.py
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -138,16 +140,38 @@ class Attention(nn.Module):
         return self.o_proj.forward(o.reshape(t, self.q_size))
 
 
+ActAndMul = Callable[[torch.Tensor], torch.Tensor]
+
+
+def gated_activation(cfg) -> ActAndMul | None:
+    """act(gate) * up over a fused [T, 2I] gate_up, for a config whose `hidden_act` is not SiLU (transformers'
+    ACT2FN[hidden_act]); None for SiLU, which the layer ops compute (fused where they build)."""
+    name = getattr(cfg, "hidden_act", "silu")
+    if name in ("silu", "swish"):
+        return None
+    from transformers.activations import ACT2FN
+
+    act = ACT2FN[name]
+
+    def act_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+    return act_and_mul
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, method: LinearMethod, shard: ShardContext):
+    def __init__(self, hidden_size: int, intermediate_size: int, method: LinearMethod, shard: ShardContext,
+                 act_and_mul: ActAndMul | None = None):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, method,
                                                        shard.rank, shard.size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, method, shard.rank,
                                            shard.size, shard.all_reduce)
+        self.act_and_mul = act_and_mul  # None: SiLU, the layer ops'
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        act_and_mul = ops.silu_and_mul if self.act_and_mul is None else self.act_and_mul
+        return self.down_proj.forward(act_and_mul(self.gate_up_proj.forward(x)))
 
 
 class SparseMoeBlock(nn.Module):
@@ -163,13 +187,16 @@ class SparseMoeBlock(nn.Module):
                                 expert_names=feats.expert_names, stacked_names=feats.stacked_expert_names)
         # names in the checkpoint where they differ from ours (weight_loader.py)
         self.checkpoint_name, self.gate.checkpoint_name = feats.moe_prefix, feats.router_name
+        self.act_and_mul = gated_activation(cfg)  # None: SiLU, the layer ops'
         self.shared_expert = None
         if feats.shared_expert:
-            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, method, shard)
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, method, shard,
+                                     self.act_and_mul)
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, DenseMethod())
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        out = self.experts.forward(x, self.gate.forward(x), ops.silu_and_mul)
+        act_and_mul = ops.silu_and_mul if self.act_and_mul is None else self.act_and_mul
+        out = self.experts.forward(x, self.gate.forward(x), act_and_mul)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate.forward(x)) * self.shared_expert.forward(x, ops)
         return out
@@ -183,7 +210,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, feats, backend, method, shard, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (SparseMoeBlock(cfg, feats, method, shard) if sparse
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, method, shard))
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, method, shard, gated_activation(cfg)))
         # Granite: each sublayer's output is scaled before it joins the residual stream
         self.residual_multiplier = cfg.residual_multiplier if feats.multipliers else None
 

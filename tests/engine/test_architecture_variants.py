@@ -2,7 +2,8 @@
 against transformers: head_dim other than hidden / heads, one KV head and as many KV heads as query heads, tied
 embeddings, an odd vocabulary, 4 and 16 experts with 1 and 4 per token, top-k renormalised or not, Mixtral and
 Phi-3 with a sliding window shorter than the sequences, Qwen2-MoE's shared expert at another width, Phi-3 with
-RoPE over part of each head (Phi-4-mini) and with longrope scaling (Phi-3 128k), Granite with other multipliers.
+RoPE over part of each head (Phi-4-mini) and with longrope scaling (Phi-3 128k), Granite with other multipliers,
+activations other than SiLU.
 
 Each variant: every checkpoint tensor consumed, the experts each token picks equal transformers' (before the
 logits: a near-tie could flip one), the logits of a mixed batch through the paged cache, and greedy tokens
@@ -71,6 +72,9 @@ VARIANTS = [
      dict(num_key_value_heads=1, tie_word_embeddings=True, embedding_multiplier=3.0, attention_multiplier=0.4,
           residual_multiplier=0.8, logits_scaling=0.5), None),
     ("granite-kv4-vocab50021", "granite", 25, dict(num_key_value_heads=4, vocab_size=50021), None),
+    # activations other than SiLU (transformers' ACT2FN)
+    ("qwen2_moe-gelu", "qwen2_moe", 29, dict(hidden_act="gelu"), None),
+    ("phi3-gelu_pytorch_tanh", "phi3", 30, dict(hidden_act="gelu_pytorch_tanh"), None),
 ]
 
 
