@@ -102,8 +102,11 @@ class Attention(nn.Module):
                  shard: ShardContext, sliding_window: int | None = None):
         super().__init__()
         self.sliding_window = sliding_window
+        # attention_bias (Llama, Qwen3, OLMoE, Granite configs): q, k, v and o biased; Qwen2: q, k, v only
+        bias = bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, feats.qkv_bias, method, shard.rank, shard.size)
+                                          cfg.num_key_value_heads, feats.qkv_bias or bias, method, shard.rank,
+                                          shard.size)
         self.num_heads = self.qkv_proj.num_heads        # this rank's
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -111,7 +114,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.scale = cfg.attention_multiplier if feats.multipliers else self.head_dim ** -0.5
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, method,
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias, method,
                                         shard.rank, shard.size, shard.all_reduce)
         # Qwen3: per head (width head_dim); OLMoE: over the whole projection (one rank holds all of it)
         q_width, k_width = (self.q_size, self.kv_size) if feats.qk_norm_full_width else (self.head_dim,) * 2
@@ -161,11 +164,11 @@ def gated_activation(cfg) -> ActAndMul | None:
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, method: LinearMethod, shard: ShardContext,
-                 act_and_mul: ActAndMul | None = None):
+                 act_and_mul: ActAndMul | None = None, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, method,
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, method,
                                                        shard.rank, shard.size)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, method, shard.rank,
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, method, shard.rank,
                                            shard.size, shard.all_reduce)
         self.act_and_mul = act_and_mul  # None: SiLU, the layer ops'
 
@@ -210,7 +213,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, feats, backend, method, shard, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (SparseMoeBlock(cfg, feats, method, shard) if sparse
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, method, shard, gated_activation(cfg)))
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, method, shard, gated_activation(cfg),
+                             bool(getattr(cfg, "mlp_bias", False))))  # mlp_bias: Llama, Granite configs
         # Granite: each sublayer's output is scaled before it joins the residual stream
         self.residual_multiplier = cfg.residual_multiplier if feats.multipliers else None
 

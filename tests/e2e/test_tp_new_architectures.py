@@ -17,14 +17,17 @@ _PHI3_ROPE = dict(partial_rotary_factor=0.5, original_max_position_embeddings=16
                   rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3],
                                 "long_factor": [2.0, 2.7, 3.4, 4.1]})
 TP_ARCHS = [("qwen3_moe", {}), ("mixtral", {}), ("qwen2_moe", {}), ("granitemoe", {}), ("phi3", {}),
-            ("granite", {}), ("phi3", _PHI3_ROPE)]
+            ("granite", {}), ("phi3", _PHI3_ROPE), ("granite", dict(attention_bias=True, mlp_bias=True))]
 
 
-@pytest.mark.parametrize(("arch", "overrides"), TP_ARCHS, ids=[a + ("-rope" if o else "") for a, o in TP_ARCHS])
+@pytest.mark.parametrize(("arch", "overrides"), TP_ARCHS,
+                         ids=["qwen3_moe", "mixtral", "qwen2_moe", "granitemoe", "phi3", "granite", "phi3-rope",
+                              "granite-bias"])
 def test_tensor_parallel_two_ranks_match_transformers(tmp_path, arch, overrides):
     """TP=2 (gloo): experts split over their intermediate dimension, the shared expert as a dense MLP (Qwen2-MoE);
     the checkpoint's fused qkv_proj / gate_up_proj cut into each rank's heads and rows (Phi-3), each rank's
-    heads rotated over their leading dims with the factor set of their request (partial RoPE, longrope)."""
+    heads rotated over their leading dims with the factor set of their request (partial RoPE, longrope); o_proj's
+    and down_proj's biases added once, after the sum over ranks (Granite's attention_bias, mlp_bias)."""
     from kvserve.engine.llm import LLM
 
     hf = make_checkpoint(str(tmp_path), arch, seed=5, **overrides)

@@ -3,7 +3,7 @@ against transformers: head_dim other than hidden / heads, one KV head and as man
 embeddings, an odd vocabulary, 4 and 16 experts with 1 and 4 per token, top-k renormalised or not, Mixtral and
 Phi-3 with a sliding window shorter than the sequences, Qwen2-MoE's shared expert at another width, Phi-3 with
 RoPE over part of each head (Phi-4-mini) and with longrope scaling (Phi-3 128k), Granite with other multipliers,
-activations other than SiLU.
+biased projections (attention_bias, mlp_bias), activations other than SiLU.
 
 Each variant: every checkpoint tensor consumed, the experts each token picks equal transformers' (before the
 logits: a near-tie could flip one), the logits of a mixed batch through the paged cache, and greedy tokens
@@ -72,6 +72,11 @@ VARIANTS = [
      dict(num_key_value_heads=1, tie_word_embeddings=True, embedding_multiplier=3.0, attention_multiplier=0.4,
           residual_multiplier=0.8, logits_scaling=0.5), None),
     ("granite-kv4-vocab50021", "granite", 25, dict(num_key_value_heads=4, vocab_size=50021), None),
+    # biased projections (attention_bias: q, k, v, o; mlp_bias: the dense MLP's)
+    ("granite-attention_bias-mlp_bias", "granite", 31, dict(attention_bias=True, mlp_bias=True), None),
+    ("qwen3_moe-attention_bias", "qwen3_moe", 32, dict(attention_bias=True), None),
+    ("olmoe-attention_bias", "olmoe", 33, dict(attention_bias=True), None),
+    ("granitemoe-attention_bias", "granitemoe", 34, dict(attention_bias=True), None),
     # activations other than SiLU (transformers' ACT2FN)
     ("qwen2_moe-gelu", "qwen2_moe", 29, dict(hidden_act="gelu"), None),
     ("phi3-gelu_pytorch_tanh", "phi3", 30, dict(hidden_act="gelu_pytorch_tanh"), None),
