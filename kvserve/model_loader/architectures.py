@@ -10,6 +10,8 @@ class ArchFeatures:
     """What distinguishes the supported architectures from plain Llama."""
 
     qkv_bias: bool = False  # Qwen2
+    qkv_bias_from_config: bool = False
+    """Qwen2-MoE: the config's `qkv_bias` (default true) decides whether q, k and v are biased."""
     qk_norm: bool = False   # Qwen3: RMSNorm over head_dim on q and k before RoPE
     qk_norm_full_width: bool = False
     """OLMoE: RMSNorm over the whole q (and k) projection, not per head; with config.clip_qkv, q/k/v clamped."""
@@ -43,7 +45,7 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
     "Qwen3ForCausalLM": ArchFeatures(qk_norm=True),
     "Qwen3MoeForCausalLM": ArchFeatures(qk_norm=True, **_MOE),
     "MixtralForCausalLM": ArchFeatures(expert_names=("w1", "w3", "w2"), moe_prefix="block_sparse_moe", **_MOE),
-    "Qwen2MoeForCausalLM": ArchFeatures(qkv_bias=True, shared_expert=True, **_MOE),
+    "Qwen2MoeForCausalLM": ArchFeatures(qkv_bias=True, qkv_bias_from_config=True, shared_expert=True, **_MOE),
     "OlmoeForCausalLM": ArchFeatures(qk_norm_full_width=True, tensor_parallel=False, **_MOE),
     "Phi3ForCausalLM": ArchFeatures(fused_checkpoint=True),
     "GraniteForCausalLM": ArchFeatures(multipliers=True),

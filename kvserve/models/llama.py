@@ -104,9 +104,9 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         # attention_bias (Llama, Qwen3, OLMoE, Granite configs): q, k, v and o biased; Qwen2: q, k, v only
         bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if feats.qkv_bias_from_config else feats.qkv_bias) or bias
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, feats.qkv_bias or bias, method, shard.rank,
-                                          shard.size)
+                                          cfg.num_key_value_heads, qkv_bias, method, shard.rank, shard.size)
         self.num_heads = self.qkv_proj.num_heads        # this rank's
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim

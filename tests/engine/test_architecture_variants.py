@@ -77,6 +77,7 @@ VARIANTS = [
     ("qwen3_moe-attention_bias", "qwen3_moe", 32, dict(attention_bias=True), None),
     ("olmoe-attention_bias", "olmoe", 33, dict(attention_bias=True), None),
     ("granitemoe-attention_bias", "granitemoe", 34, dict(attention_bias=True), None),
+    ("qwen2_moe-no_qkv_bias", "qwen2_moe", 35, dict(qkv_bias=False), None),
     # activations other than SiLU (transformers' ACT2FN)
     ("qwen2_moe-gelu", "qwen2_moe", 29, dict(hidden_act="gelu"), None),
     ("phi3-gelu_pytorch_tanh", "phi3", 30, dict(hidden_act="gelu_pytorch_tanh"), None),
