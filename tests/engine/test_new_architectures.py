@@ -5,7 +5,9 @@ Each checkpoint has 8 experts, 2 per token, dense and sparse layers mixed where 
 shared experts where it has them, and every weight randomised, 1-D ones (norms, biases) included, so that a
 norm or bias we load wrongly changes the logits. Compared: the experts each token picks (before the logits,
 where a near-tie could flip one), the logits of a mixed batch through the paged cache, and greedy tokens
-through the engine with chunked prefill and a prefix-cache hit, block invariants after every step.
+through the engine with chunked prefill and a prefix-cache hit, through preemption, and through speculative
+decoding (n-gram lookup, a draft model of the same architecture), block invariants after every step. Other
+shapes and seeds: tests/engine/test_architecture_variants.py; TP=2: tests/e2e/test_tp_new_architectures.py.
 """
 from __future__ import annotations
 
