@@ -66,17 +66,16 @@ class RotaryEmbedding(nn.Module):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        params = getattr(hf_config, "rope_parameters", None) or {}
-        partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0
         hf_rope = LlamaRotaryEmbedding(config=hf_config)
         inv_freqs = [hf_rope.inv_freq.float()]                                # [R/2] per factor set
-        if partial != 1.0 and hf_rope.rope_type == "default":  # Llama's default rotates whole heads; Phi-3's not
+        if hf_rope.rope_type == "default" and getattr(hf_config, "model_type", None) == "phi3":
+            # transformers' default RoPE honours partial_rotary_factor in Phi-3 only (the Llama family's, like
+            # LlamaRotaryEmbedding's, rotates whole heads); its scaled types honour it everywhere
             from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
             inv_freqs = [Phi3RotaryEmbedding.compute_default_rope_parameters(hf_config)[0].float()]
         rotary_dim = 2 * inv_freqs[0].numel()
-        if rotary_dim != int(hf_config.head_dim * partial) or rotary_dim > hf_config.head_dim:
-            raise ValueError(f"RoPE over {rotary_dim} of {hf_config.head_dim} head dims (partial_rotary_factor "
-                             f"{partial}): transformers' rotation for this config is not known here")
+        if rotary_dim > hf_config.head_dim:
+            raise ValueError(f"RoPE over {rotary_dim} dims of a {hf_config.head_dim}-dim head")
         self.long_switch: tuple[int, int] | None = None
         """longrope: (M, row offset of the long table): positions of requests whose prompt exceeds M come offset."""
         original = longrope_switch_length(hf_config, max_positions)

@@ -65,6 +65,8 @@ VARIANTS = [
     ("phi3-partial0.75-kv1-tied", "phi3", 20,
      dict(partial_rotary_factor=0.75, num_key_value_heads=1, tie_word_embeddings=True), None),
     ("phi3-longrope", "phi3", 21, _longrope(16), None),
+    # transformers' Qwen3-MoE default RoPE rotates whole heads whatever partial_rotary_factor says
+    ("qwen3_moe-partial_rotary_factor", "qwen3_moe", 36, dict(partial_rotary_factor=0.5), None),
     ("phi3-longrope-partial0.5-kv4", "phi3", 22,
      dict(partial_rotary_factor=0.5, num_key_value_heads=4, **_longrope(8)), None),
     ("phi3-window8", "phi3", 23, dict(sliding_window=8), "torch_ref"),
