@@ -54,6 +54,7 @@ echo "gpu_check: workload ${WORKLOAD:-none found, synthetic prompts of the same 
 # 1. the GPU tests (capped at 220 s; with the bench's 200 s the run stays under 8 minutes)
 start=$(date +%s)
 timeout 220 "$PY" -m pytest -q -p no:cacheprovider -rs tests/e2e/test_triton_attention.py tests/e2e/test_cuda_graph.py \
+    tests/e2e/test_triton_attention_window.py \
     tests/e2e/test_gpu_golden.py 2>&1 | tee "$RESULTS/pytest.log"
 rc=${PIPESTATUS[0]}
 summary=$(grep -E '[0-9]+ (passed|failed|error)' "$RESULTS/pytest.log" | tail -1)

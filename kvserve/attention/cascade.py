@@ -9,6 +9,12 @@ per request.
 Grouping is one level deep (as in vLLM's, unlike FlashInfer's multi-level cascade): sequences are grouped by
 their first block, and a group keeps the prefix length that saves the most block reads; members that share
 less with the rest are left to read their blocks alone.
+
+Sliding windows: a shared block is read once for all the group's query rows, so it must lie inside every one
+of their windows. The groups are found once per step (windows differ per layer), and a windowed layer keeps
+them only while every grouped sequence is no longer than its window (then the window hides nothing from them);
+otherwise that layer reads each sequence alone from its window's first block (attention/cpu_paged.py). Simple
+and correct; a Mistral-style model whose sequences outgrow the window loses the shared read on those steps.
 """
 from __future__ import annotations
 

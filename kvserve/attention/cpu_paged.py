@@ -3,7 +3,12 @@ decodes, draft verification and prefill chunks alike read K/V in place through t
 copy of a chunk's cached context), one pass with an online softmax; an int8/fp8 cache is dequantized as it is
 read, with its block scales, and a bfloat16 one widened (an int8/fp8 cache holds K/V rotated, kv_cache/rotation.py:
 q is rotated alike and the output rotated back). Sequences that share cached prefix blocks read them once for
-all their query rows (attention/cascade.py)."""
+all their query rows (attention/cascade.py).
+
+Sliding windows and logit soft caps are kernel arguments of each call (windows differ per layer: the step's
+metadata holds none); the kernel starts each sequence at its window's first block. A windowed layer reads
+shared prefixes once only while every grouped sequence fits in its window (then the window hides nothing from
+them); past that it reads each sequence's blocks alone."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +30,7 @@ class CPUPagedMetadata:
     seq_lens: torch.Tensor                    # [S] int64, of each sequence's last query token
     query_start: torch.Tensor                 # [S + 1] int64
     shared: SharedPrefixes | None             # groups of sequences with common leading blocks
+    shared_len: int = 0                       # the longest grouped sequence (a window below it drops the groups)
 
 
 class CPUPagedBackend:
@@ -56,20 +62,18 @@ class CPUPagedBackend:
         else:
             table, lens, starts = common.block_table, common.seq_lens, loc
         table, lens, starts = table.contiguous(), lens.contiguous(), starts.contiguous()
-        shared = None
+        shared, shared_len = None, 0
         if self.cascade and len(lens) > 1:
-            q_lens = starts.diff().tolist()
-            visible = [(n - q) // common.block_size for n, q in zip(lens.tolist(), q_lens)]
+            q_lens, seq_lens = starts.diff().tolist(), lens.tolist()
+            visible = [(n - q) // common.block_size for n, q in zip(seq_lens, q_lens)]
             shared = find_shared_prefixes(table.tolist(), visible)
-        return CPUPagedMetadata(common.slot_mapping, table, lens, starts, shared)
+            if shared is not None:
+                shared_len = max(seq_lens[b] for b in shared.seqs.tolist())
+        return CPUPagedMetadata(common.slot_mapping, table, lens, starts, shared, shared_len)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: CPUPagedMetadata, scale: float, *, sliding_window: int | None = None,
                 logits_soft_cap: float | None = None) -> torch.Tensor:
-        # TODO(sliding windows): in the kernel; until then a sequence longer than its window is refused here
-        if logits_soft_cap is not None or (sliding_window is not None and int(meta.seq_lens.max()) > sliding_window):
-            raise NotImplementedError(f"{self.name}: sliding-window attention past the window and logit "
-                                      "soft-capping are not in this kernel yet; use --attention-backend torch_ref")
         q_dtype = q.dtype
         rotated = isinstance(kv_cache, QuantizedKVCache)
         if rotated:
@@ -82,10 +86,14 @@ class CPUPagedBackend:
             self.kernel.write_kv_(kv_cache, meta.slot_mapping, k, v)
             values, scales = kv_cache, None
         s = meta.shared
+        if sliding_window is not None and meta.shared_len > sliding_window:
+            s = None  # some grouped sequence's window begins inside the shared prefix
+        cascade = (s.seqs, s.starts, s.blocks) if s else (None, None, None)
         # NOTE: the kernel takes and returns float32 queries; a bf16 model's are widened and the result rounded
         # back (a copy of q, small beside the K/V it reads).
         out = self.kernel.paged_attention(q.float().contiguous(), values, meta.block_table, meta.seq_lens, scale,
-                                          meta.query_start, scales, *((s.seqs, s.starts, s.blocks) if s else ()))
+                                          meta.query_start, scales, *cascade, sliding_window or 0,
+                                          logits_soft_cap or 0.0)
         if rotated:
             out = self.kernel.hadamard(out)
         return out if out.dtype == q_dtype else out.to(q_dtype)

@@ -8,7 +8,10 @@ Attention: one program per (query tile, KV head). A tile is up to BLOCK_Q consec
 request; its rows are those tokens times the G = Hq / Hkv query heads that share the KV head (row m: token
 m // G, head m % G), so a page of K/V is loaded once for all of them (GQA without repeating K/V). Keys
 are walked a page at a time with an online softmax in float32 (FlashAttention's recurrence); the mask is
-bottom-right causal (query j of a chunk with `ctx` cached tokens sees positions <= ctx + j).
+bottom-right causal (query j of a chunk with `ctx` cached tokens sees positions <= ctx + j), and with a
+sliding window W only positions > ctx + j - W: a program then starts at the page of its first query's window
+(pages before it may have been freed; they are never loaded). A logit soft cap c (Gemma 2) maps the scaled
+scores to c * tanh(s / c) before the mask. Both are compile-time switches, so kernels without them are unchanged.
 
 Importing this module needs triton. With TRITON_INTERPRET=1 set before the import, the kernels run on CPU
 tensors through Triton's interpreter (tests/e2e/test_triton_attention.py).
@@ -40,18 +43,28 @@ def reshape_and_cache_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_kt, stride_k
 
 
 @triton.jit
+def _tanh(x):
+    # NOTE: 1 - 2 / (e^2x + 1): exact limits at both ends (e^2x overflowing to inf gives 1), no libdevice
+    # call, so it runs in Triton's interpreter as on the GPU.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr, tile_req_ptr,
-                           tile_q0_ptr, part_out_ptr, part_lse_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                           stride_bt, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-                           DECODE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                           tile_q0_ptr, part_out_ptr, part_lse_ptr, scale, window, soft_cap, stride_qt, stride_qh,
+                           stride_ot, stride_oh, stride_bt, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_Q: tl.constexpr, DECODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr):
     """DECODE: program i is request i's one query token (tile arrays unused); else program i is the tile
     (tile_req[i], first query tile_q0[i] within that request).
 
     NUM_SPLITS > 1 (decodes only; split-KV, "flash decoding"): program axis 2 takes one of NUM_SPLITS
     contiguous page ranges and writes its normalised partial output and log2-sum-exp (part_out
     [B, S, Hq, D], part_lse [B, S, Hq], float32) for decode_combine_kernel, so that a small batch still
-    fills the GPU."""
+    fills the GPU (the splits share the pages from the window's first on).
+
+    WINDOWED: `window` (int) is the sliding window; SOFT_CAP: `soft_cap` (float) the logit cap; unused otherwise."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -80,14 +93,17 @@ def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_
     # The keys this tile needs: up to its last query's position (not beyond the sequence).
     num_keys = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
     num_pages = ((num_keys + PAGE - 1) // PAGE).to(tl.int32)
+    page0 = 0
+    if WINDOWED:  # the page of the tile's first query's first visible key
+        page0 = (tl.maximum(ctx + q0 + 1 - window, 0) // PAGE).to(tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634                                    # log2(e): exp2 below
     p_off = tl.arange(0, PAGE)
     row_stride = 2 * NUM_KV_HEADS * HEAD_DIM
-    pages_per_split = (num_pages + NUM_SPLITS - 1) // NUM_SPLITS
-    first_page = split * pages_per_split
+    pages_per_split = (num_pages - page0 + NUM_SPLITS - 1) // NUM_SPLITS
+    first_page = page0 + split * pages_per_split
     last_page = tl.minimum(first_page + pages_per_split, num_pages)
     for j in range(first_page, last_page):
         block = tl.load(block_table_ptr + req * stride_bt + j).to(tl.int64)
@@ -97,8 +113,14 @@ def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(kv_ptr + kv_off + NUM_KV_HEADS * HEAD_DIM, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, P] float32
+        if SOFT_CAP:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            s = soft_cap * _tanh(s / soft_cap) * 1.4426950408889634
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, P] float32
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if WINDOWED:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # NOTE: a row that has seen no visible key yet (padding) keeps m = -inf; shift by 0 there so that

@@ -115,10 +115,6 @@ class TritonPagedBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                 meta: TritonMetadata, scale: float, *, sliding_window: int | None = None,
                 logits_soft_cap: float | None = None) -> torch.Tensor:
-        # TODO(sliding windows): in the kernel; until then a sequence longer than its window is refused here
-        if logits_soft_cap is not None or (sliding_window is not None and int(meta.seq_lens.max()) > sliding_window):
-            raise NotImplementedError(f"{self.name}: sliding-window attention past the window and logit "
-                                      "soft-capping are not in this kernel yet; use --attention-backend torch_ref")
         if isinstance(kv_cache, QuantizedKVCache):
             raise ValueError("triton_paged reads an unquantized KV cache only (use torch_ref for int8/fp8)")
         kern = self.kernels
@@ -132,9 +128,11 @@ class TritonPagedBackend:
         out = torch.empty_like(q)                                             # [T, Hq, D]
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         common = (out, q, kv_cache, meta.block_table, meta.query_start_loc, meta.seq_lens)
-        strides = (scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0))
+        scalars = (scale, sliding_window or 0, float(logits_soft_cap or 0.0), q.stride(0), q.stride(1),
+                   out.stride(0), out.stride(1), meta.block_table.stride(0))
         consts = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                      PAGE=meta.block_size, DOT_PRECISION=precision)
+                      PAGE=meta.block_size, DOT_PRECISION=precision, WINDOWED=sliding_window is not None,
+                      SOFT_CAP=logits_soft_cap is not None)
         nd = meta.num_decodes
         if nd:
             splits = self.num_decode_splits(nd, num_kv_heads, q.device)
@@ -143,7 +141,7 @@ class TritonPagedBackend:
                 part_out = torch.empty((nd, splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
                 part_lse = torch.empty((nd, splits, num_heads), dtype=torch.float32, device=q.device)
             kern.paged_attention_kernel[(nd, num_kv_heads, splits)](
-                *common, meta.seq_lens, meta.seq_lens, part_out, part_lse, *strides,
+                *common, meta.seq_lens, meta.seq_lens, part_out, part_lse, *scalars,
                 BLOCK_M=max(_MIN_ROWS, _next_pow2(group)), BLOCK_Q=1, DECODE=True, NUM_SPLITS=splits, **consts)
             if splits > 1:
                 kern.decode_combine_kernel[(nd, num_heads)](
@@ -152,7 +150,7 @@ class TritonPagedBackend:
                     BLOCK_S=_next_pow2(splits))
         if meta.tile_req is not None:
             kern.paged_attention_kernel[(meta.tile_req.shape[0], num_kv_heads, 1)](
-                *common, meta.tile_req, meta.tile_q0, out, out, *strides,
+                *common, meta.tile_req, meta.tile_q0, out, out, *scalars,
                 BLOCK_M=max(_MIN_ROWS, _next_pow2(meta.block_q * group)), BLOCK_Q=meta.block_q, DECODE=False,
                 NUM_SPLITS=1, **consts)
         return out

@@ -12,6 +12,7 @@ from kvserve.config.parallel import ParallelConfig
 from kvserve.config.quantization import QuantizationConfig
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.config.speculative import SpeculativeConfig
+from kvserve.model_loader.architectures import block_release_window
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +32,12 @@ class EngineConfig:
     """The target model's weight-only quantization (the draft model stays unquantized)."""
     seed: int = 0
     """Seed of the default generator that unseeded requests draw from."""
+
+    @property
+    def kv_release_window(self) -> int | None:
+        """Every layer attends through a window of at most this many positions: the KV cache manager releases
+        a running request's blocks before its window. None with a draft model (its layers read the same blocks
+        from wherever it last stopped) or when some layer attends to the whole sequence."""
+        if self.draft_model is not None:
+            return None
+        return block_release_window(self.model.hf_config)

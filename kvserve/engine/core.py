@@ -16,6 +16,7 @@ from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
 from kvserve.kv_cache.quant import dtype_name
+from kvserve.kv_cache.window import window_blocks_bound
 from kvserve.model_loader.architectures import longrope_switch_length
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
@@ -43,6 +44,9 @@ class EngineInfo:
     """What the KV cache stores: int8, fp8_e4m3, or the model's dtype (kv_cache/quant.py dtype_name)."""
     kv_cache_bytes: int = 0
     """The KV pool's size (on CUDA: what --gpu-memory-utilization left it, worker/memory_plan.py)."""
+    max_blocks_per_request: int | None = None
+    """Every layer windowed: the most blocks a request holds at once, however long (its first query's window and
+    one step's tokens; kv_cache/window.py). None: a request holds a block for each of its tokens' blocks."""
 
 
 class EngineCore:
@@ -51,10 +55,13 @@ class EngineCore:
         self.executor = make_executor(config)
         num_blocks = self.executor.determine_num_blocks()
         self.kv_spec: KVCacheSpec = self.executor.init_kv_cache(num_blocks)
+        window = config.kv_release_window
+        if window is not None:
+            num_blocks -= 1  # the cache's last block is the manager's null block (released table entries)
         self.block_pool = BlockPool(num_blocks)
         cache = config.cache
         kv = KVCacheManager(self.block_pool, cache.block_size, cache.enable_prefix_caching,
-                            max_pinned_blocks=int(num_blocks * cache.max_pinned_fraction))
+                            max_pinned_blocks=int(num_blocks * cache.max_pinned_fraction), sliding_window=window)
         spec = config.speculative
         policy = DraftLengthPolicy(spec.num_speculative_tokens, spec.adaptive) if spec else None
         self.scheduler = Scheduler(config.scheduler, kv, policy,
@@ -68,7 +75,8 @@ class EngineCore:
         """longrope models: prompts longer than this read the long-factor RoPE table (models/llama.py)."""
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,
                                num_blocks, cache.block_size, mc.max_logprobs, cache.enable_prefix_caching,
-                               dtype_name(self.kv_spec.dtype), self.kv_spec.num_bytes)
+                               dtype_name(self.kv_spec.dtype), self.kv_spec.num_bytes,
+                               window_blocks_bound(window, cache.block_size, config.scheduler.max_num_batched_tokens))
 
     def shutdown(self) -> None:
         """Stop the workers (tensor parallelism: the follower processes); the core cannot step after."""

@@ -78,6 +78,8 @@ class Processor:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens "
                              f"exceeds max_model_len ({info.max_model_len})")
         blocks = -(-(n + max_tokens) // info.block_size)
+        if info.max_blocks_per_request is not None:  # windowed: blocks before the window go back while it runs
+            blocks = min(blocks, info.max_blocks_per_request)
         if blocks > info.num_kv_blocks:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks, but the "
                              f"whole pool has {info.num_kv_blocks} (raise --kv-cache-memory)")

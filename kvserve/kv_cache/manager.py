@@ -5,6 +5,10 @@ prefixes; the dict lookup compares the tokens exactly, so only a 64-bit collisio
 alias two prefixes. The extra key (`Request.cache_salt`, and with an adapter `(cache_salt, lora_int_id)`)
 keeps KV that must not be shared apart: the same tokens under two adapters have different K/V. With prefix
 caching off, only requests given the same salt (the n samples of one prompt) share.
+
+With a sliding window on every layer (`sliding_window`), blocks no query of a request can read any more are
+released while it runs and prefix hits need only the window's blocks (kv_cache/window.py); a released entry
+of a table is the null block, a placeholder past the pool's blocks that is never allocated.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Hashable
 
 from kvserve.kv_cache.block_pool import BlockPool, KVBlock
 from kvserve.kv_cache.pins import PinTable
+from kvserve.kv_cache.window import first_live_block, longest_window_hit
 from kvserve.request import Request
 
 
@@ -33,7 +38,11 @@ class PrefixExplanation:
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool,
-                 max_pinned_blocks: int | None = None, clock: Callable[[], float] = time.monotonic):
+                 max_pinned_blocks: int | None = None, clock: Callable[[], float] = time.monotonic, *,
+                 sliding_window: int | None = None):
+        """`sliding_window`: every layer attends through a window of at most this many positions, so blocks
+        before a request's window are released while it runs (None: some layer reads every block). The KV
+        cache then needs one block past the pool's, block id `pool.num_blocks`: the null block."""
         self.pool = pool
         self.pins = PinTable(pool, pool.num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks, clock)
         self.block_size = block_size
@@ -41,6 +50,9 @@ class KVCacheManager:
         self._tables: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[Hashable]] = {}   # keys of the request's full blocks, computed lazily
         self._num_registered: dict[str, int] = {}      # leading blocks of the table already in the cache
+        self.sliding_window = sliding_window
+        self.null_block: KVBlock | None = None if sliding_window is None else KVBlock(pool.num_blocks)
+        """Stands for a released block in a table (it leads the table: see window.py); no kernel reads it."""
 
     def _cacheable(self, request: Request) -> bool:
         return self.enable_prefix_caching or request.cache_salt is not None
@@ -60,6 +72,8 @@ class KVCacheManager:
         if not self._cacheable(request) or request.skip_reading_prefix_cache:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            return self._window_hit(self._block_keys(request, max_blocks)[:max_blocks])
         hits = []
         for key in self._block_keys(request, max_blocks):
             block = self.pool.lookup(key)
@@ -68,20 +82,33 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def _window_hit(self, keys: list[Hashable]) -> list[KVBlock]:
+        """The longest hit a windowed model can take: null blocks, then the cached blocks its next query reads."""
+        num_hit = longest_window_hit(lambda i: self.pool.lookup(keys[i]), len(keys), self.sliding_window,
+                                     self.block_size)
+        live = first_live_block(num_hit * self.block_size, self.sliding_window, self.block_size)
+        return [self.null_block] * live + [self.pool.lookup(key) for key in keys[live:num_hit]]
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
         """Grow the request's table to hold num_computed_tokens + num_new_tokens (after taking the
-        computed blocks, which must prefix it). Returns False, changing nothing, if the pool is short."""
+        computed blocks, which must prefix it). Returns False, changing nothing, if the pool is short.
+
+        With a sliding window, the blocks before the window of the step's first query (at
+        num_computed_tokens) are released first, whatever the outcome: no later step reads them."""
         computed_blocks = computed_blocks or []
+        if self.sliding_window is not None:
+            self._release_out_of_window(request)
+        real = [b for b in computed_blocks if b is not self.null_block]
         table = self._tables.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - len(table) - len(computed_blocks)
         # Touching an unreferenced cached block takes it off the free queue.
-        num_available = self.pool.num_free_blocks - sum(1 for b in computed_blocks if b.ref_count == 0)
+        num_available = self.pool.num_free_blocks - sum(1 for b in real if b.ref_count == 0)
         if num_needed > num_available:
             return False
-        self.pool.touch(computed_blocks)
-        self.pins.renew(computed_blocks)
+        self.pool.touch(real)
+        self.pins.renew(real)
         table = self._tables.setdefault(request.request_id, [])
         table.extend(computed_blocks)
         if computed_blocks:
@@ -89,6 +116,22 @@ class KVCacheManager:
         if num_needed > 0:
             table.extend(self.pool.allocate(num_needed))
         return True
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Release the table's blocks before the window of a step starting at num_computed_tokens, oldest first
+        (the pool evicts them first: a later hit needs the blocks just before its end, not the oldest)."""
+        table = self._tables.get(request.request_id)
+        if not table:
+            return
+        live = min(first_live_block(request.num_computed_tokens, self.sliding_window, self.block_size), len(table))
+        first = live
+        while first > 0 and table[first - 1] is not self.null_block:  # nulls lead the table
+            first -= 1
+        if first == live:
+            return
+        released = table[first:live]
+        table[first:live] = [self.null_block] * (live - first)
+        self.pool.release(released)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the blocks that became full of computed KV (call after each step)."""
@@ -101,26 +144,40 @@ class KVCacheManager:
         table = self._tables[request.request_id]
         keys = self._block_keys(request, num_full)
         for i in range(start, num_full):
-            self.pool.cache(table[i], keys[i])
+            if table[i] is not self.null_block:  # released ones were registered while in the window
+                self.pool.cache(table[i], keys[i])
         self._num_registered[request.request_id] = num_full
 
     def pin_prefix(self, request: Request, num_tokens: int, ttl: float) -> int:
         """Pin the request's cached full blocks covering its first num_tokens tokens for ttl seconds.
-        Returns the number of tokens pinned (fewer when the pin bound is reached)."""
+        Returns the number of tokens pinned (fewer when the pin bound is reached). With a window: the blocks
+        still held (the earlier ones were released), and the tokens a later hit can take through them."""
         table = self._tables.get(request.request_id, [])
         blocks = [b for b in table[:num_tokens // self.block_size] if b.block_hash is not None]
-        return self.pins.pin(blocks, ttl) * self.block_size
+        pinned = self.pins.pin(blocks, ttl)
+        if self.sliding_window is None:
+            return pinned * self.block_size
+        held = set(blocks[:pinned])
+        prefix = table[:num_tokens // self.block_size]
+        return longest_window_hit(lambda i: prefix[i] if prefix[i] in held else None, len(prefix),
+                                  self.sliding_window, self.block_size) * self.block_size
 
     def explain(self, token_ids: list[int], cache_salt: str | None = None, lora_int_id: int = 0) -> PrefixExplanation:
         """Longest cached prefix of token_ids (as the base model, or adapter lora_int_id, would look it up), and
-        where the closest cached sequence diverges from it."""
+        where the closest cached sequence diverges from it. With a window, a prefix is cached when the blocks
+        its next query reads are (get_computed_blocks)."""
         bs = self.block_size
         keys: list[Hashable] = []
         extra = block_extra_key(cache_salt, lora_int_id)
         _extend_keys(keys, lambda a, b: token_ids[a:b], len(token_ids) // bs, bs, extra)
-        hit = 0
-        while hit < len(keys) and self.pool.lookup(keys[hit]) is not None:
-            hit += 1
+        max_admitted = (len(token_ids) - 1) // bs
+        if self.sliding_window is not None:
+            hit, admitted = len(self._window_hit(keys)), len(self._window_hit(keys[:max_admitted])) * bs
+        else:
+            hit = 0
+            while hit < len(keys) and self.pool.lookup(keys[hit]) is not None:
+                hit += 1
+            admitted = min(hit, max_admitted) * bs
         parent = hash(keys[hit - 1]) if hit else None
         rest = token_ids[hit * bs:(hit + 1) * bs]
         best, continuation = 0, None
@@ -130,13 +187,12 @@ class KVCacheManager:
             common = next((i for i, (a, b) in enumerate(zip(rest, key[1])) if a != b), min(len(rest), bs))
             if continuation is None or common > best:
                 best, continuation = common, list(key[1])
-        admitted = min(hit, (len(token_ids) - 1) // bs) * bs
         return PrefixExplanation(len(token_ids), admitted, hit * bs + best, continuation)
 
     def free(self, request: Request, finished: bool = True) -> None:
         """Release the request's blocks (tail first). A preempted request keeps its block keys."""
         table = self._tables.pop(request.request_id, [])
-        self.pool.release(table[::-1])
+        self.pool.release([b for b in table[::-1] if b is not self.null_block])
         self._num_registered.pop(request.request_id, None)
         if finished:
             self._hashes.pop(request.request_id, None)
@@ -164,7 +220,12 @@ class KVCacheManager:
         return in_use - self.pins.num_pin_only
 
     def num_blocks_held(self, request_id: str) -> int:
+        """The request's table length (released entries of a windowed model included)."""
         return len(self._tables.get(request_id, ()))
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """Pool blocks the request's table holds (its table less the released entries)."""
+        return sum(1 for b in self._tables.get(request_id, ()) if b is not self.null_block)
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()
@@ -176,7 +237,8 @@ class KVCacheManager:
         self.pool.check_invariants()
         holders: dict[int, int] = self.pins.holders()
         for req_id, table in self._tables.items():
-            ids = [b.block_id for b in table]
+            self._check_released(req_id, table, requests.get(req_id))
+            ids = [b.block_id for b in table if b is not self.null_block]
             assert len(ids) == len(set(ids)), f"request {req_id} holds a block twice: {ids}"
             for i in ids:
                 holders[i] = holders.get(i, 0) + 1
@@ -189,6 +251,19 @@ class KVCacheManager:
         assert self.pins.num_pinned <= self.pins.max_blocks
         for bid in self.pins.holders():
             assert self.pool.blocks[bid].block_hash is not None, f"pinned block {bid} is not cached"
+
+    def _check_released(self, req_id: str, table: list[KVBlock], req: Request | None) -> None:
+        """Null entries only with a window, leading the table, and only before the window of the request's
+        next step; the null block itself is never referenced, cached or handed out."""
+        num_null = sum(1 for b in table if b is self.null_block)
+        if self.null_block is None or not num_null:
+            return
+        null = self.null_block
+        assert null.ref_count == 0 and null.block_hash is None, f"null block touched: {null}"
+        assert all(b is null for b in table[:num_null]), f"request {req_id}: released entries do not lead its table"
+        if req is not None:
+            live = first_live_block(req.num_computed_tokens, self.sliding_window, self.block_size)
+            assert num_null <= live, f"request {req_id}: {num_null} entries released, window starts at block {live}"
 
 
 def extra_key(request: Request) -> Hashable:

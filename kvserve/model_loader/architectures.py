@@ -99,6 +99,16 @@ def layer_sliding_windows(hf_config) -> list[int | None]:
     return [int(window)] * n
 
 
+def block_release_window(hf_config) -> int | None:
+    """The window past which a request's KV blocks may be released while it runs (kv_cache/window.py): the
+    widest window when every layer has one; None when some layer attends to the whole sequence (it reads every
+    block)."""
+    if not getattr(hf_config, "sliding_window", None):
+        return None
+    windows = layer_sliding_windows(hf_config)
+    return None if not windows or None in windows else max(windows)
+
+
 def longrope_switch_length(hf_config, max_positions: int) -> int | None:
     """longrope (Phi-3 long-context): the sequence length M = original_max_position_embeddings past which
     transformers rotates with the long factors, when sequences of up to max_positions tokens can pass it; None

@@ -1,5 +1,6 @@
-"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite), built
-with transformers' own config classes: every weight randomised, 1-D ones included."""
+"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite) and of
+sliding-window ones (Mistral, Qwen2 with windowed layers), built with transformers' own config classes: every
+weight randomised, 1-D ones included."""
 from __future__ import annotations
 
 import os
@@ -39,6 +40,13 @@ def tiny_config(arch: str, **overrides):
     elif arch == "granite":    # the four multipliers
         cls, kwargs = tf.GraniteConfig, dict(intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
                                              attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
+    elif arch == "mistral_window":  # every layer windowed (W 10, not a multiple of a block): blocks released
+        cls, kwargs = tf.MistralConfig, dict(intermediate_size=128, num_hidden_layers=2, sliding_window=10)
+    elif arch == "mistral_sliding":  # every layer windowed (12: below a block of 16, not a multiple of 8)
+        cls, kwargs = tf.MistralConfig, dict(intermediate_size=128, num_hidden_layers=2, sliding_window=12)
+    elif arch == "qwen2_sliding":    # layer 0 full attention, layers 1-2 windowed (max_window_layers); qkv bias
+        cls, kwargs = tf.Qwen2Config, dict(intermediate_size=128, num_hidden_layers=3, use_sliding_window=True,
+                                           sliding_window=10, max_window_layers=1)
     else:
         raise ValueError(arch)
     return cls(**(common | kwargs | overrides))

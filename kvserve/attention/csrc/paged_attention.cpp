@@ -19,6 +19,12 @@
 // a state (max m, sum l, unnormalised output o) is the log-sum-exp merge of the two partial attentions:
 // o = o1 * exp(m1 - m) + o2 * exp(m2 - m), l likewise, m = max(m1, m2).
 //
+// Sliding windows (Mistral, Gemma's local layers) and logit soft caps (Gemma 2) are arguments of each call, as
+// windows differ per layer: a token at position p sees keys (p - W, p], so an item starts at the block of its
+// first token's window (blocks before it may have been freed and are never read), each row's first visible key
+// bounds its scores from below as its causal limit does from above, and lane chunks wholly before every lane's
+// window are skipped. Without a window or a cap those steps are not taken.
+//
 // Element types are a template parameter behind `to_float` (float32; bfloat16, widened without scales; int8 and fp8 e4m3 with one bfloat16 scale
 // per block, KV head and K/V as the engine lays them out, kvserve/kv_cache/quant.py, or one per slot): a block's
 // rows of one KV head are widened to float times their scales into block-sized buffers that stay in L1, and the
@@ -87,8 +93,10 @@ inline float to_float(Fp8E4M3 x) {
   return f * 0x1p120f;
 }
 
-// One unit of work. Its query tokens are `tokens` (rows of q), each seeing keys [0, limit) of the sequence;
-// it reads keys [first_block * BS, end_key) for KV heads [h0, h1).
+// One unit of work. Its query tokens are `tokens` (rows of q), each seeing keys [0, limit) of the sequence, or
+// with a sliding window W keys [limit - W, limit); it reads keys [first_block * BS, end_key) for KV heads
+// [h0, h1). A window's first block is where the item starts: blocks wholly before it may have been freed (their
+// table entries are stale) and are never read.
 struct State {
   float* out;     // [T, Hq, D]: the final output, or the unnormalised accumulator between items
   float* m;       // [T, Hq] running max
@@ -102,7 +110,20 @@ struct Item {
   bool seeded;    // start from the state in out/m/l (a shared prefix's result) rather than from nothing
   bool finish;    // normalise into out; otherwise store the raw state for a later item to continue
   const State* dest = nullptr;  // where the raw state goes instead of the call's State (a split's part)
+  int64_t window = 0;           // sliding window W; 0: none
 };
+
+// The first key token i of an item sees (its window's start; 0 without one).
+inline int64_t first_visible(const Item& it, int64_t i) {
+  return it.window > 0 ? std::max<int64_t>(0, it.limits[i] - it.window) : 0;
+}
+
+// Gemma 2's logit soft cap c * tanh(s / c) on a row of scaled scores (cap 0: none).
+inline void soft_cap_scores(float* s, int64_t n, float cap) {
+  if (cap <= 0.0f) return;
+  const float inv = 1.0f / cap;
+  for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] * inv);
+}
 
 template <int kD, typename T>
 inline void widen_rows(const T* src, const Bf16* scales, int64_t n, int64_t D_rt, int64_t stride,
@@ -152,19 +173,22 @@ inline float softmax_update(float* s, int64_t nv, float& m, float& l) {
 template <int kD, int kBS>
 void matrix_rows(const Item& it, int64_t hh, int64_t blk, int64_t n, const float* kt, const float* vrows,
                  int64_t vstride, const float* qs, float* acc, float* rm, float* rl, int64_t D_rt, int64_t BS_rt,
-                 int64_t G, int64_t Hh) {
+                 int64_t G, int64_t Hh, float cap) {
   const int64_t D = kD > 0 ? kD : D_rt, BS = kBS > 0 ? kBS : BS_rt;
   constexpr int64_t kMaxBS = kBS > 0 ? kBS : 64;
   const int64_t total = static_cast<int64_t>(it.tokens.size()) * G;
   for (int64_t p0 = 0; p0 < total; p0 += 4) {
     const int64_t nr = std::min<int64_t>(4, total - p0);
-    int64_t r[4], nv[4];
+    int64_t r[4], lo[4], nv[4];  // row x sees the block's keys [lo[x], nv[x])
+    bool any = false;
     for (int64_t x = 0; x < 4; ++x) {
       const int64_t p = p0 + std::min(x, nr - 1), i = p / G;
       r[x] = i * Hh + hh * G + p % G;
       nv[x] = x < nr ? std::max<int64_t>(0, std::min(n, it.limits[i] - blk * BS)) : 0;
+      lo[x] = std::min(nv[x], std::max<int64_t>(0, first_visible(it, i) - blk * BS));
+      any |= lo[x] < nv[x];
     }
-    if (nv[nr - 1] == 0) continue;
+    if (!any) continue;
     alignas(64) float s[4][kMaxBS];
     for (int64_t x = 0; x < 4; ++x)
       for (int64_t t = 0; t < BS; ++t) s[x][t] = 0.0f;
@@ -182,7 +206,12 @@ void matrix_rows(const Item& it, int64_t hh, int64_t blk, int64_t n, const float
     float corr[4];
     int64_t tmax = 0;
     for (int64_t x = 0; x < 4; ++x) {
-      corr[x] = nv[x] > 0 ? softmax_update(s[x], nv[x], rm[r[x]], rl[r[x]]) : 1.0f;
+      corr[x] = 1.0f;
+      if (lo[x] < nv[x]) {
+        soft_cap_scores(s[x] + lo[x], nv[x] - lo[x], cap);
+        corr[x] = softmax_update(s[x] + lo[x], nv[x] - lo[x], rm[r[x]], rl[r[x]]);
+      }
+      for (int64_t t = 0; t < lo[x]; ++t) s[x][t] = 0.0f;
       for (int64_t t = nv[x]; t < BS; ++t) s[x][t] = 0.0f;
       tmax = std::max(tmax, nv[x]);
     }
@@ -235,13 +264,24 @@ inline __m512 exp_lanes(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// tanh for float32 lanes, (e^2x - 1) / (e^2x + 1), x clamped to +-9 first (tanh is 1 to float precision there,
+// and e^2x stays finite).
+inline __m512 tanh_lanes(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-9.0f)), _mm512_set1_ps(9.0f));
+  const __m512 e = exp_lanes(_mm512_add_ps(x, x));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_div_ps(_mm512_sub_ps(e, one), _mm512_add_ps(e, one));
+}
+
 // One chunk of up to 16 keys (positions key0.., rows of k and v `kstride` / `vstride` floats apart, nk of them
 // real) for one chunk of 16 lanes: qt, ot [D][16], the lanes' running max and sum, and their causal limits
-// (a lane sees keys below its limit; padding lanes have 0). `masked`: some key of the chunk is past a lane's
-// limit or past nk.
+// (a lane sees keys below its limit; padding lanes have 0) and, with a sliding window, their first visible keys
+// `lows` (nullptr: none). `masked`: some key of the chunk is past a lane's limit, before its low or past nk.
+// `cap`: the logit soft cap (0: none).
 template <int kD>
 inline void lanes_keys(const float* k, int64_t kstride, const float* v, int64_t vstride, int64_t nk, int64_t key0,
-                       bool masked, const float* qt, float* ot, float* m, float* l, const int32_t* limits) {
+                       bool masked, const float* qt, float* ot, float* m, float* l, const int32_t* limits,
+                       const int32_t* lows, float cap) {
   __m512 s[kLanes];
   for (int t = 0; t < kLanes; ++t) s[t] = _mm512_setzero_ps();
   const float* kr[kLanes];
@@ -250,11 +290,17 @@ inline void lanes_keys(const float* k, int64_t kstride, const float* v, int64_t 
     const __m512 q = _mm512_loadu_ps(qt + d * kLanes);
     for (int t = 0; t < kLanes; ++t) s[t] = _mm512_fmadd_ps(_mm512_set1_ps(kr[t][d]), q, s[t]);
   }
+  if (cap > 0.0f) {
+    const __m512 c = _mm512_set1_ps(cap), inv = _mm512_set1_ps(1.0f / cap);
+    for (int t = 0; t < kLanes; ++t) s[t] = _mm512_mul_ps(c, tanh_lanes(_mm512_mul_ps(s[t], inv)));
+  }
   if (masked) {
     const __m512i lim = _mm512_loadu_si512(limits);
+    const __m512i low = lows != nullptr ? _mm512_loadu_si512(lows) : _mm512_setzero_si512();
     for (int t = 0; t < kLanes; ++t) {
-      const __mmask16 ok = t < nk ? _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(static_cast<int32_t>(key0 + t)))
-                                  : static_cast<__mmask16>(0);
+      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
+      __mmask16 ok = t < nk ? _mm512_cmpgt_epi32_mask(lim, key) : static_cast<__mmask16>(0);
+      if (lows != nullptr) ok &= _mm512_cmple_epi32_mask(low, key);
       s[t] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegBig), s[t]);
     }
   }
@@ -293,7 +339,7 @@ constexpr bool kLanesBuilt =
 
 template <int kD, int kBS, typename T>
 void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales, const Geometry& g,
-              float scale, const State& st, std::vector<float>& scratch) {
+              float scale, float cap, const State& st, std::vector<float>& scratch) {
   constexpr bool kQuantized = kWidened<T>;  // widened into L1 buffers (int8, fp8: with scales; bf16: without)
   const int64_t D = kD > 0 ? kD : g.head_dim, BS = kBS > 0 ? kBS : g.block_size;
   const int64_t G = g.group, Hkv = g.num_kv_heads, Hq = Hkv * G;
@@ -331,11 +377,20 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
   thread_local std::vector<float> lane_buf;
   thread_local std::vector<int32_t> lane_limits;
   thread_local std::vector<int64_t> chunk_min_limit;
+  // with a sliding window: each lane's first visible key, and per chunk the least and greatest of them
+  const bool windowed = it.window > 0;
+  thread_local std::vector<int32_t> lane_lows;
+  thread_local std::vector<int64_t> chunk_min_low, chunk_max_low;
   float *lq = nullptr, *lo = nullptr, *lm = nullptr, *ll = nullptr;
   if (lanes) {
     lane_buf.assign(static_cast<size_t>(chunks * kLanes * (2 * D + 2)), 0.0f);
     lane_limits.assign(static_cast<size_t>(chunks * kLanes), 0);
     chunk_min_limit.assign(static_cast<size_t>(chunks), INT64_MAX);
+    if (windowed) {
+      lane_lows.assign(static_cast<size_t>(chunks * kLanes), 0);
+      chunk_min_low.assign(static_cast<size_t>(chunks), INT64_MAX);
+      chunk_max_low.assign(static_cast<size_t>(chunks), 0);
+    }
     lq = lane_buf.data(), lo = lq + chunks * kLanes * D, lm = lo + chunks * kLanes * D, ll = lm + chunks * kLanes;
     for (int64_t r = 0; r < chunks * kLanes; ++r) lm[r] = kNegBig;
     for (int64_t r = 0; r < rows; ++r) {
@@ -348,6 +403,12 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
       const int64_t limit = it.limits[r / Hh];
       lane_limits[r] = static_cast<int32_t>(limit);
       chunk_min_limit[c] = std::min(chunk_min_limit[c], limit);
+      if (windowed) {
+        const int64_t low = first_visible(it, r / Hh);
+        lane_lows[r] = static_cast<int32_t>(low);
+        chunk_min_low[c] = std::min(chunk_min_low[c], low);
+        chunk_max_low[c] = std::max(chunk_max_low[c], low);
+      }
     }
     for (int64_t c = 0; c < chunks; ++c)
       if ((c + 1) * kLanes > rows) chunk_min_limit[c] = 0;  // padding lanes see nothing: always masked
@@ -405,10 +466,12 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
         for (int64_t k0 = 0; k0 < n; k0 += kLanes) {
           const int64_t nk = std::min(kLanes, n - k0), key0 = blk * BS + k0;
           for (int64_t c = 0; c < chunks; ++c) {
-            const bool masked = nk < kLanes || key0 + kLanes > chunk_min_limit[c];
+            if (windowed && key0 + nk <= chunk_min_low[c]) continue;  // before every lane's window
+            const bool masked = nk < kLanes || key0 + kLanes > chunk_min_limit[c] ||
+                                (windowed && key0 < chunk_max_low[c]);
             lanes_keys<kD>(krows + k0 * kstride, kstride, vrows + k0 * vstride, vstride, nk, key0, masked,
                            lq + c * D * kLanes, lo + c * D * kLanes, lm + c * kLanes, ll + c * kLanes,
-                           lane_limits.data() + c * kLanes);
+                           lane_limits.data() + c * kLanes, windowed ? lane_lows.data() + c * kLanes : nullptr, cap);
           }
         }
         continue;
@@ -424,16 +487,18 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
         krows = kraw, kstride = g.slot_stride;
       }
       if (transposed) {
-        matrix_rows<kD, kBS>(it, hh, blk, n, kb, vrows, vstride, qs, acc, rm, rl, D, BS, G, Hh);
+        matrix_rows<kD, kBS>(it, hh, blk, n, kb, vrows, vstride, qs, acc, rm, rl, D, BS, G, Hh, cap);
         continue;
       }
       // Few rows (decodes): each K row scored against one token's G query heads, up to 4 at a time.
       for (int64_t i = 0; i < ntok; ++i) {
-        const int64_t nv = std::min(n, it.limits[i] - blk * BS);  // the causal limit within this block
-        if (nv <= 0) continue;
+        // the block's keys [t0, nv) are visible: the causal limit, and the window's start
+        const int64_t nv = std::min(n, it.limits[i] - blk * BS);
+        const int64_t t0 = std::max<int64_t>(0, first_visible(it, i) - blk * BS);
+        if (nv <= t0) continue;
         for (int64_t j0 = 0; j0 < G; j0 += 4) {
           const int64_t nr = std::min<int64_t>(4, G - j0), r0 = i * Hh + hh * G + j0;
-          for (int64_t t = 0; t < nv; ++t) {
+          for (int64_t t = t0; t < nv; ++t) {
             if (t < next_tokens && i == 0 && j0 == 0) {
               // NOTE: decodes are memory-bound: the next block's rows of this head are requested one slot
               // per K row scored, so the misses overlap the arithmetic without a burst filling the queues.
@@ -455,13 +520,14 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
           for (int64_t x = 0; x < nr; ++x) {
             const int64_t r = r0 + x;
             float* s = sc + x * BS;
-            const float corr = softmax_update(s, nv, rm[r], rl[r]);
+            soft_cap_scores(s + t0, nv - t0, cap);
+            const float corr = softmax_update(s + t0, nv - t0, rm[r], rl[r]);
             // NOTE: a local copy of the row's accumulator: with D fixed at compile time and no aliasing the
             // compiler keeps it in vector registers across the block's tokens.
             float a[kD > 0 ? kD : 256];
             float* __restrict ar = acc + r * D;
             for (int64_t d = 0; d < D; ++d) a[d] = ar[d] * corr;
-            for (int64_t t = 0; t < nv; ++t) {
+            for (int64_t t = t0; t < nv; ++t) {
               const float* __restrict v = vrows + t * vstride;
               const float w = s[t];
               for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
@@ -497,54 +563,55 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
 
 template <int kD, int kBS, typename T>
 void run_items(const std::vector<Item>& items, const float* q, const T* kv, const Bf16* sp, const Geometry& g,
-               float scale, const State& st) {
+               float scale, float cap, const State& st) {
   const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel
   {
     std::vector<float> scratch;  // per thread, reused across items
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) run_item<kD, kBS, T>(items[i], q, kv, sp, g, scale, st, scratch);
+    for (int64_t i = 0; i < n; ++i) run_item<kD, kBS, T>(items[i], q, kv, sp, g, scale, cap, st, scratch);
   }
 }
 
 template <typename T>
 void dispatch_shape(const std::vector<Item>& items, const float* q, const T* kv, const Bf16* sp, const Geometry& g,
-                    float scale, const State& st) {
+                    float scale, float cap, const State& st) {
   const bool bs16 = g.block_size == 16;
   if (g.head_dim == 64 && bs16) {
-    run_items<64, 16, T>(items, q, kv, sp, g, scale, st);
+    run_items<64, 16, T>(items, q, kv, sp, g, scale, cap, st);
   } else if (g.head_dim == 128 && bs16) {
-    run_items<128, 16, T>(items, q, kv, sp, g, scale, st);
+    run_items<128, 16, T>(items, q, kv, sp, g, scale, cap, st);
   } else if (g.head_dim == 64) {
-    run_items<64, 0, T>(items, q, kv, sp, g, scale, st);
+    run_items<64, 0, T>(items, q, kv, sp, g, scale, cap, st);
   } else if (g.head_dim == 128) {
-    run_items<128, 0, T>(items, q, kv, sp, g, scale, st);
+    run_items<128, 0, T>(items, q, kv, sp, g, scale, cap, st);
   } else {
-    run_items<0, 0, T>(items, q, kv, sp, g, scale, st);
+    run_items<0, 0, T>(items, q, kv, sp, g, scale, cap, st);
   }
 }
 
 void dispatch_dtype(const std::vector<Item>& items, const float* q, const torch::Tensor& kv, const Bf16* sp,
-                    const Geometry& g, float scale, const State& st) {
+                    const Geometry& g, float scale, float cap, const State& st) {
   const void* p = kv.data_ptr();
   if (kv.scalar_type() == torch::kFloat32) {
-    dispatch_shape(items, q, static_cast<const float*>(p), sp, g, scale, st);
+    dispatch_shape(items, q, static_cast<const float*>(p), sp, g, scale, cap, st);
   } else if (kv.scalar_type() == torch::kBFloat16) {
-    dispatch_shape(items, q, static_cast<const Bf16*>(p), sp, g, scale, st);
+    dispatch_shape(items, q, static_cast<const Bf16*>(p), sp, g, scale, cap, st);
   } else if (kv.scalar_type() == torch::kInt8) {
-    dispatch_shape(items, q, static_cast<const int8_t*>(p), sp, g, scale, st);
+    dispatch_shape(items, q, static_cast<const int8_t*>(p), sp, g, scale, cap, st);
   } else {
-    dispatch_shape(items, q, static_cast<const Fp8E4M3*>(p), sp, g, scale, st);
+    dispatch_shape(items, q, static_cast<const Fp8E4M3*>(p), sp, g, scale, cap, st);
   }
 }
 
 // Items over `tokens` (each with its limit). A decode's few rows take all KV heads in one item (memory-bound:
 // each block's slots are read whole, in order); more rows (a prefill chunk, a shared prefix's group) are cut
 // into one KV head per item and tiles of at most kRowBudget rows, at least 4 tiles of 8+ tokens where there
-// are enough, so that a group's shared pass is spread over the threads rather than one item.
+// are enough, so that a group's shared pass is spread over the threads rather than one item. With a sliding
+// `window` (0: none) an item starts at the block of its first token's first visible key.
 void add_items(std::vector<Item>& items, const int64_t* table, int64_t first_block, int64_t end_key,
                const std::vector<int64_t>& tokens, const std::vector<int64_t>& limits, bool seeded, bool finish,
-               const Geometry& g) {
+               const Geometry& g, int64_t window = 0) {
   const int64_t ntok = static_cast<int64_t>(tokens.size());
   const bool all_heads = ntok * g.group < kTransposeRows;
   const int64_t per_item = all_heads ? ntok
@@ -555,6 +622,9 @@ void add_items(std::vector<Item>& items, const int64_t* table, int64_t first_blo
       items.push_back(Item{table, first_block, end_key, h, all_heads ? g.num_kv_heads : h + 1,
                            std::vector<int64_t>(tokens.begin() + a, tokens.begin() + b),
                            std::vector<int64_t>(limits.begin() + a, limits.begin() + b), seeded, finish});
+      Item& it = items.back();
+      it.window = window;
+      it.first_block = std::max(first_block, first_visible(it, 0) / g.block_size);  // limits ascend
     }
   }
 }
@@ -647,10 +717,16 @@ void merge_splits(const Splits& sp, const Geometry& g, float* out) {
 // Shared prefixes (optional, all three or none): group c is the sequences
 // cascade_seqs[cascade_starts[c]:cascade_starts[c+1]], whose block tables all begin with the same
 // cascade_blocks[c] blocks, which lie before every one of their query tokens' positions.
+// sliding_window W > 0: a query token at position p sees keys (p - W, p] only, and the blocks wholly before its
+// sequence's first query token's window are never read (they may have been freed); sequences in shared-prefix
+// groups must then be no longer than the window (every query token of theirs sees the whole prefix). soft_cap c > 0: scores become c * tanh(s / c) after scaling (Gemma 2).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table, torch::Tensor seq_lens,
                               double scale, c10::optional<torch::Tensor> query_start,
                               c10::optional<torch::Tensor> kv_scales, c10::optional<torch::Tensor> cascade_seqs,
-                              c10::optional<torch::Tensor> cascade_starts, c10::optional<torch::Tensor> cascade_blocks) {
+                              c10::optional<torch::Tensor> cascade_starts, c10::optional<torch::Tensor> cascade_blocks,
+                              int64_t sliding_window, double soft_cap) {
+  TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0.0, "paged_attention: sliding_window and soft_cap must be >= 0 "
+              "(0: none)");
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous(),
               "paged_attention: inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 3, "paged_attention: q must be [T, Hq, D] float32");
@@ -717,6 +793,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor b
         TORCH_CHECK(b >= 0 && b < B && skip[b] == 0, "paged_attention: a sequence in no or several groups");
         TORCH_CHECK(cb[c] * BS <= sl[b] - (qs[b + 1] - qs[b]),
                     "paged_attention: a shared prefix must lie before every query token of its group");
+        TORCH_CHECK(sliding_window == 0 || sl[b] <= sliding_window,
+                    "paged_attention: a shared prefix must lie inside every query token's sliding window");
         TORCH_CHECK(std::equal(bt + b * g.max_blocks, bt + b * g.max_blocks + cb[c], bt + cs[cst[c]] * g.max_blocks),
                     "paged_attention: a group's block tables must begin with the same blocks");
         skip[b] = cb[c];
@@ -732,7 +810,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor b
     if (Q == 0) continue;
     std::vector<int64_t> tokens(Q), limits(Q);
     for (int64_t i = 0; i < Q; ++i) tokens[i] = qs[b] + i, limits[i] = sl[b] - Q + i + 1;
-    add_items(own, bt + b * g.max_blocks, skip[b], sl[b], tokens, limits, skip[b] > 0, true, g);
+    add_items(own, bt + b * g.max_blocks, skip[b], sl[b], tokens, limits, skip[b] > 0, true, g, sliding_window);
   }
 
   Splits splits;
@@ -746,9 +824,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor b
     ml = torch::empty({2, T * Hq}, q.options());
     st.m = ml.data_ptr<float>(), st.l = st.m + T * Hq;
   }
-  const float fscale = static_cast<float>(scale);
-  if (!shared.empty()) dispatch_dtype(shared, q.data_ptr<float>(), kv, sp, g, fscale, st);
-  dispatch_dtype(own, q.data_ptr<float>(), kv, sp, g, fscale, st);
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(soft_cap);
+  if (!shared.empty()) dispatch_dtype(shared, q.data_ptr<float>(), kv, sp, g, fscale, fcap, st);
+  dispatch_dtype(own, q.data_ptr<float>(), kv, sp, g, fscale, fcap, st);
   merge_splits(splits, g, out.data_ptr<float>());
   return out;
 }
@@ -1029,10 +1107,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "shared-prefix groups)",
         py::arg("q"), py::arg("kv"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("query_start") = py::none(), py::arg("kv_scales") = py::none(), py::arg("cascade_seqs") = py::none(),
-        py::arg("cascade_starts") = py::none(), py::arg("cascade_blocks") = py::none());
+        py::arg("cascade_starts") = py::none(), py::arg("cascade_blocks") = py::none(),
+        py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0);
   // The decode kernel's name, kept for its callers: the same kernel.
   m.def("paged_decode_attention", &paged_attention, "alias of paged_attention", py::arg("q"), py::arg("kv"),
         py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("query_start") = py::none(),
         py::arg("kv_scales") = py::none(), py::arg("cascade_seqs") = py::none(),
-        py::arg("cascade_starts") = py::none(), py::arg("cascade_blocks") = py::none());
+        py::arg("cascade_starts") = py::none(), py::arg("cascade_blocks") = py::none(),
+        py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0);
 }
