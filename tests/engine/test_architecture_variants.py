@@ -5,9 +5,10 @@ Phi-3 with a sliding window shorter than the sequences, Qwen2-MoE's shared exper
 RoPE over part of each head (Phi-4-mini) and with longrope scaling (Phi-3 128k), Granite with other multipliers,
 biased projections (attention_bias, mlp_bias), activations other than SiLU.
 
-Each variant: every checkpoint tensor consumed, the experts each token picks equal transformers' (before the
-logits: a near-tie could flip one), the logits of a mixed batch through the paged cache, and greedy tokens
-with chunked prefill and a prefix-cache hit, block invariants after every step.
+Each variant, on each CPU attention backend (the reference one with --all-backends): every checkpoint tensor
+consumed, the experts each token picks equal transformers' (before the logits: a near-tie could flip one), the
+logits of a mixed batch through the paged cache, and greedy tokens with chunked prefill and a prefix-cache hit,
+block invariants after every step.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.architectures import assert_every_tensor_consumed, chosen_experts, make_checkpoint
-from tests.helpers.engine import run_last_after_prefix, run_to_completion
+from tests.helpers.engine import ATTENTION_BACKENDS, run_last_after_prefix, run_to_completion
 from tests.helpers.oracles import assert_logits_match_hf, hf_greedy, mixed_batch
 
 
@@ -32,75 +33,74 @@ def _longrope(rotary_dim: int, original: int = 32) -> dict:
                               "long_factor": [2.0 + 0.7 * i for i in range(n)]})
 
 
-# (id, architecture, seed, config overrides, attention backend: torch_ref where a window is shorter than the
-# sequences, which the kernels refuse until they attend through windows)
+# (id, architecture, seed, config overrides)
 VARIANTS = [
     ("qwen3_moe-head_dim24-kv1-E4-k1", "qwen3_moe", 11,
-     dict(head_dim=24, num_key_value_heads=1, num_experts=4, num_experts_per_tok=1, norm_topk_prob=False), None),
+     dict(head_dim=24, num_key_value_heads=1, num_experts=4, num_experts_per_tok=1, norm_topk_prob=False)),
     ("qwen3_moe-kv4-E16-k4-tied-vocab50021", "qwen3_moe", 12,
      dict(num_key_value_heads=4, num_experts=16, num_experts_per_tok=4, tie_word_embeddings=True,
-          vocab_size=50021, mlp_only_layers=[], decoder_sparse_step=2), None),
+          vocab_size=50021, mlp_only_layers=[], decoder_sparse_step=2)),
     ("mixtral-window8-E4-k1", "mixtral", 13,
-     dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=1), "torch_ref"),
+     dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=1)),
     ("mixtral-head_dim24-E16-k4-kv4-tied", "mixtral", 14,
      dict(head_dim=24, num_local_experts=16, num_experts_per_tok=4, num_key_value_heads=4,
-          tie_word_embeddings=True), None),
+          tie_word_embeddings=True)),
     ("qwen2_moe-shared80-renorm-E16-k4-kv1", "qwen2_moe", 15,
      dict(shared_expert_intermediate_size=80, norm_topk_prob=True, num_experts=16, num_experts_per_tok=4,
-          num_key_value_heads=1, decoder_sparse_step=1, mlp_only_layers=[0]), None),
-    ("qwen3_moe-window8", "qwen3_moe", 27, dict(use_sliding_window=True, sliding_window=8), "torch_ref"),
+          num_key_value_heads=1, decoder_sparse_step=1, mlp_only_layers=[0])),
+    ("qwen3_moe-window8", "qwen3_moe", 27, dict(use_sliding_window=True, sliding_window=8)),
     # layers 0 and 2 windowed (transformers' layer_types from max_window_layers), 1 and 3 not
     ("qwen2_moe-window8-layer_types", "qwen2_moe", 28,
-     dict(use_sliding_window=True, sliding_window=8, max_window_layers=3), "torch_ref"),
+     dict(use_sliding_window=True, sliding_window=8, max_window_layers=3)),
     ("olmoe-E4-k1-renorm-noclip-kv4", "olmoe", 16,
-     dict(num_experts=4, num_experts_per_tok=1, norm_topk_prob=True, clip_qkv=None, num_key_value_heads=4), None),
-    ("olmoe-E4-k4", "olmoe", 26, dict(num_experts=4, num_experts_per_tok=4), None),  # every expert, every token
+     dict(num_experts=4, num_experts_per_tok=1, norm_topk_prob=True, clip_qkv=None, num_key_value_heads=4)),
+    ("olmoe-E4-k4", "olmoe", 26, dict(num_experts=4, num_experts_per_tok=4)),  # every expert, every token
     ("olmoe-E16-k4-kv1-vocab50021", "olmoe", 17,
-     dict(num_experts=16, num_experts_per_tok=4, num_key_value_heads=1, vocab_size=50021), None),
+     dict(num_experts=16, num_experts_per_tok=4, num_key_value_heads=1, vocab_size=50021)),
     ("granitemoe-E16-k4-kv1-tied-multipliers", "granitemoe", 18,
      dict(num_local_experts=16, num_experts_per_tok=4, num_key_value_heads=1, tie_word_embeddings=True,
-          embedding_multiplier=12.0, attention_multiplier=0.05, residual_multiplier=0.22, logits_scaling=8.0), None),
+          embedding_multiplier=12.0, attention_multiplier=0.05, residual_multiplier=0.22, logits_scaling=8.0)),
     ("granitemoe-E4-k1-kv4", "granitemoe", 19,
-     dict(num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=4), None),
+     dict(num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=4)),
     ("phi3-partial0.75-kv1-tied", "phi3", 20,
-     dict(partial_rotary_factor=0.75, num_key_value_heads=1, tie_word_embeddings=True), None),
-    ("phi3-longrope", "phi3", 21, _longrope(16), None),
+     dict(partial_rotary_factor=0.75, num_key_value_heads=1, tie_word_embeddings=True)),
+    ("phi3-longrope", "phi3", 21, _longrope(16)),
     # transformers' Qwen3-MoE default RoPE rotates whole heads whatever partial_rotary_factor says
-    ("qwen3_moe-partial_rotary_factor", "qwen3_moe", 36, dict(partial_rotary_factor=0.5), None),
+    ("qwen3_moe-partial_rotary_factor", "qwen3_moe", 36, dict(partial_rotary_factor=0.5)),
     ("phi3-longrope-partial0.5-kv4", "phi3", 22,
-     dict(partial_rotary_factor=0.5, num_key_value_heads=4, **_longrope(8)), None),
-    ("phi3-window8", "phi3", 23, dict(sliding_window=8), "torch_ref"),
+     dict(partial_rotary_factor=0.5, num_key_value_heads=4, **_longrope(8))),
+    ("phi3-window8", "phi3", 23, dict(sliding_window=8)),
     ("granite-kv1-tied-multipliers", "granite", 24,
      dict(num_key_value_heads=1, tie_word_embeddings=True, embedding_multiplier=3.0, attention_multiplier=0.4,
-          residual_multiplier=0.8, logits_scaling=0.5), None),
-    ("granite-kv4-vocab50021", "granite", 25, dict(num_key_value_heads=4, vocab_size=50021), None),
+          residual_multiplier=0.8, logits_scaling=0.5)),
+    ("granite-kv4-vocab50021", "granite", 25, dict(num_key_value_heads=4, vocab_size=50021)),
     # biased projections (attention_bias: q, k, v, o; mlp_bias: the dense MLP's)
-    ("granite-attention_bias-mlp_bias", "granite", 31, dict(attention_bias=True, mlp_bias=True), None),
-    ("qwen3_moe-attention_bias", "qwen3_moe", 32, dict(attention_bias=True), None),
-    ("olmoe-attention_bias", "olmoe", 33, dict(attention_bias=True), None),
-    ("granitemoe-attention_bias", "granitemoe", 34, dict(attention_bias=True), None),
-    ("qwen2_moe-no_qkv_bias", "qwen2_moe", 35, dict(qkv_bias=False), None),
+    ("granite-attention_bias-mlp_bias", "granite", 31, dict(attention_bias=True, mlp_bias=True)),
+    ("qwen3_moe-attention_bias", "qwen3_moe", 32, dict(attention_bias=True)),
+    ("olmoe-attention_bias", "olmoe", 33, dict(attention_bias=True)),
+    ("granitemoe-attention_bias", "granitemoe", 34, dict(attention_bias=True)),
+    ("qwen2_moe-no_qkv_bias", "qwen2_moe", 35, dict(qkv_bias=False)),
     # activations other than SiLU (transformers' ACT2FN)
-    ("qwen2_moe-gelu", "qwen2_moe", 29, dict(hidden_act="gelu"), None),
-    ("phi3-gelu_pytorch_tanh", "phi3", 30, dict(hidden_act="gelu_pytorch_tanh"), None),
+    ("qwen2_moe-gelu", "qwen2_moe", 29, dict(hidden_act="gelu")),
+    ("phi3-gelu_pytorch_tanh", "phi3", 30, dict(hidden_act="gelu_pytorch_tanh")),
 ]
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[v[0] for v in VARIANTS])
 def variant(request, tmp_path_factory):
-    """(architecture, path, transformers model, attention backend) of one variant, written once per module."""
-    name, arch, seed, overrides, backend = request.param
+    """(architecture, path, transformers model) of one variant, written once per module."""
+    name, arch, seed, overrides = request.param
     path = str(tmp_path_factory.mktemp(name.replace(".", "_")))
-    return arch, path, make_checkpoint(path, arch, seed=seed, **overrides), backend
+    return arch, path, make_checkpoint(path, arch, seed=seed, **overrides)
 
 
-def _engine(path: str, backend: str | None, **kwargs) -> Engine:
-    return Engine(EngineArgs(model=path, num_gpu_blocks_override=64, attention_backend=backend or "auto",
-                             **kwargs))
+def _engine(path: str, backend: str = "auto", **kwargs) -> Engine:
+    return Engine(EngineArgs(model=path, num_gpu_blocks_override=64, attention_backend=backend, **kwargs))
 
 
-def test_tensors_experts_and_logits_match_transformers(variant):
-    arch, path, hf, backend = variant
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_tensors_experts_and_logits_match_transformers(variant, backend):
+    arch, path, hf = variant
     engine = _engine(path, backend)
     assert_every_tensor_consumed(engine, path, stacked=arch == "granitemoe")
     batch = mixed_batch(seed=len(path))
@@ -111,10 +111,11 @@ def test_tensors_experts_and_logits_match_transformers(variant):
     assert_logits_match_hf(engine, hf, batch, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_tokens_match_transformers_with_chunked_prefill_and_prefix_hit(variant):
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_greedy_tokens_match_transformers_with_chunked_prefill_and_prefix_hit(variant, backend):
     """Two prompts sharing a 40-token prefix and a short one, in 16-token chunks; the last after the others
     finish (a prefix-cache hit)."""
-    _, path, hf, backend = variant
+    _, path, hf = variant
     engine = _engine(path, backend, max_num_batched_tokens=16, enable_chunked_prefill=True)
     g = torch.Generator().manual_seed(len(path))
     prefix = torch.randint(0, 49152, (40,), generator=g).tolist()
@@ -178,7 +179,7 @@ def test_longrope_prompts_either_side_of_the_switch_share_no_blocks(longrope_phi
     prefix = torch.randint(0, 49152, (24,), generator=g).tolist()
     long, short = prefix + torch.randint(0, 49152, (20,), generator=g).tolist(), prefix + [11, 12, 13, 14]
     prompts = [long, short] if long_first else [short, long]
-    engine = _engine(path, None)
+    engine = _engine(path)
     done = run_last_after_prefix(engine, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert done["1"].num_cached_tokens == 0
     for i, prompt in enumerate(prompts):
@@ -191,7 +192,7 @@ def test_longrope_output_crossing_the_switch_equals_transformers_until_it(longro
     are transformers'."""
     path, hf = longrope_phi3
     prompt = torch.randint(0, 49152, (28,), generator=torch.Generator().manual_seed(5)).tolist()
-    engine = _engine(path, None)
+    engine = _engine(path)
     engine.add_request("0", prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     got = run_to_completion(engine)
     assert got["0"].outputs[0].token_ids[:5] == hf_greedy(hf, prompt, 10)[0][:5]
