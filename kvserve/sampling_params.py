@@ -5,7 +5,6 @@ import enum
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 # Below this temperature a request is treated as greedy (vLLM uses the same cut-off).
 _GREEDY_EPS = 1e-5

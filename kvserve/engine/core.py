@@ -17,6 +17,7 @@ from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
 from kvserve.kv_cache.quant import dtype_name
 from kvserve.kv_cache.window import window_blocks_bound
+from kvserve.model_loader.architectures import longrope_switch_length
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.step_cost import OnlineStepCost
@@ -70,6 +71,8 @@ class EngineCore:
                                    step_cost=OnlineStepCost(knee_rows=self.executor.step_cost_knee()))
         self._aborted: list[EngineCoreOutput] = []
         mc = config.model
+        self._long_rope_prompt = longrope_switch_length(mc.hf_config, mc.max_model_len)
+        """longrope models: prompts longer than this read the long-factor RoPE table (models/llama.py)."""
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,
                                num_blocks, cache.block_size, mc.max_logprobs, cache.enable_prefix_caching,
                                dtype_name(self.kv_spec.dtype), self.kv_spec.num_bytes,
@@ -98,8 +101,13 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request the front end validated."""
+        salt = req.cache_salt
+        if self._long_rope_prompt is not None and len(req.prompt_token_ids) > self._long_rope_prompt and (
+                salt is not None or self.config.cache.enable_prefix_caching):
+            # its keys are rotated with the long RoPE factors: no prefix hit with a short prompt's blocks
+            salt = f"{salt or ''}|longrope"
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
-                          req.max_tokens, cache_salt=req.cache_salt, cache_pin=req.cache_pin,
+                          req.max_tokens, cache_salt=salt, cache_pin=req.cache_pin,
                           lora_request=req.lora_request)
         request.metrics.arrival_time = req.arrival_time
         wait_for = self.scheduler.requests.get(req.wait_for) if req.wait_for else None

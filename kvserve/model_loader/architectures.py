@@ -11,6 +11,8 @@ class ArchFeatures:
     """What distinguishes the supported architectures from plain Llama."""
 
     qkv_bias: bool = False  # Qwen2
+    qkv_bias_from_config: bool = False
+    """Qwen2-MoE: the config's `qkv_bias` (default true) decides whether q, k and v are biased."""
     qk_norm: bool = False   # Qwen3: RMSNorm over head_dim on q and k before RoPE
     qk_norm_full_width: bool = False
     """OLMoE: RMSNorm over the whole q (and k) projection, not per head; with config.clip_qkv, q/k/v clamped."""
@@ -54,7 +56,7 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
     "Qwen3ForCausalLM": ArchFeatures(qk_norm=True),
     "Qwen3MoeForCausalLM": ArchFeatures(qk_norm=True, **_MOE),
     "MixtralForCausalLM": ArchFeatures(expert_names=("w1", "w3", "w2"), moe_prefix="block_sparse_moe", **_MOE),
-    "Qwen2MoeForCausalLM": ArchFeatures(qkv_bias=True, shared_expert=True, **_MOE),
+    "Qwen2MoeForCausalLM": ArchFeatures(qkv_bias=True, qkv_bias_from_config=True, shared_expert=True, **_MOE),
     "OlmoeForCausalLM": ArchFeatures(qk_norm_full_width=True, tensor_parallel=False, **_MOE),
     "Phi3ForCausalLM": ArchFeatures(fused_checkpoint=True),
     "GraniteForCausalLM": ArchFeatures(multipliers=True),
@@ -144,3 +146,14 @@ def block_release_window(hf_config) -> int | None:
         return None
     windows = layer_sliding_windows(hf_config)
     return None if not windows or None in windows else max(windows)
+
+
+def longrope_switch_length(hf_config, max_positions: int) -> int | None:
+    """longrope (Phi-3 long-context): the sequence length M = original_max_position_embeddings past which
+    transformers rotates with the long factors, when sequences of up to max_positions tokens can pass it; None
+    for other RoPE types, or when none can (the short factors alone)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    original = int(params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
+    return original if max_positions > original else None

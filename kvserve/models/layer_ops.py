@@ -29,13 +29,18 @@ class LayerOps:
     @staticmethod
     def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                 head_dim: int) -> torch.Tensor:
-        """qkv [T, W] with RoPE applied to its first num_heads heads (q then k); cos/sin [T, D]."""
-        t = qkv.shape[0]
+        """qkv [T, W] with RoPE applied to its first num_heads heads (q then k); cos/sin [T, R]: the first R dims
+        of each head rotate (R < head_dim: partial RoPE, transformers' Phi-3; the other dims pass through)."""
+        t, r = qkv.shape[0], cos.shape[-1]
         rot = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
-        half = head_dim // 2
+        if r != head_dim:
+            rot, kept = rot[..., :r], rot[..., r:]
+        half = r // 2
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         out = rot * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
-        return torch.cat((out.view(t, -1), qkv[:, num_heads * head_dim:]), dim=-1)
+        if r != head_dim:
+            out = torch.cat((out, kept), dim=-1)
+        return torch.cat((out.reshape(t, -1), qkv[:, num_heads * head_dim:]), dim=-1)
 
     @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

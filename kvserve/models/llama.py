@@ -13,6 +13,8 @@ included, and multiply through a pluggable method; model_loader/weight_loader.py
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,8 +26,8 @@ from kvserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear
 from kvserve.layers.linear_methods import DenseMethod, LinearMethod
 from kvserve.layers.moe import FusedMoE
 from kvserve.layers.parallel import ShardContext
-from kvserve.model_loader.architectures import (ArchFeatures, layer_sliding_windows, moe_intermediate_size,
-                                                moe_layer_indices, num_experts)
+from kvserve.model_loader.architectures import (ArchFeatures, layer_sliding_windows, longrope_switch_length,
+                                                moe_intermediate_size, moe_layer_indices, num_experts)
 from kvserve.models.layer_ops import LayerOps
 
 
@@ -41,27 +43,54 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_positions, from HF's own rope initialisation
-    (so rope_scaling variants such as Llama-3's match the oracle exactly)."""
+    (so rope_scaling variants such as Llama-3's match the oracle exactly).
+
+    Partial RoPE (`partial_rotary_factor` < 1, Phi-4-mini): the tables are [P, R] for the first R of each head's
+    dims, which are all that rotate (LayerOps.rope_qk reads R from them).
+
+    longrope (Phi-3 long-context): transformers rotates a whole sequence with its short factors while the
+    sequence has at most M = `original_max_position_embeddings` tokens, with its long ones once it is longer
+    (its generate drops the cache and recomputes everything at the crossing). Both tables are kept, stacked:
+    rows [0, P) short, [P, 2P) long; the model runner adds `long_switch`'s offset P to the positions of a
+    request whose prompt is longer than M (worker/step_inputs.py rope_positions), and the engine keys such a
+    request's prefix-cache blocks apart (engine/core.py), so a request whose prompt exceeds M, or whose whole
+    sequence stays within M, is computed exactly as transformers does. Known caveat: a request whose prompt is
+    within M but whose output crosses it keeps the short factors to its end, where transformers would re-rotate
+    the whole sequence with the long ones. A paged cache cannot do that re-rotation (blocks are shared by
+    prefix hits, and their keys are rotated when written); switching only the new tokens instead would rotate
+    queries and cached keys with different frequencies, which breaks RoPE's relative-position property.
+    """
 
     def __init__(self, hf_config, max_positions: int):
         super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         hf_rope = LlamaRotaryEmbedding(config=hf_config)
-        inv_freq = hf_rope.inv_freq.float()                                   # [D/2]
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)                               # [P, D]
-        partial = (getattr(hf_config, "rope_parameters", None) or {}).get(
-            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-        if partial != 1.0 or emb.shape[-1] != hf_config.head_dim:
-            raise ValueError(f"RoPE over part of each head (partial_rotary_factor {partial}) is not supported yet")
-        if getattr(hf_rope, "rope_type", None) == "longrope":  # transformers switches factors by sequence length
-            raise ValueError("longrope RoPE scaling (Phi-3 long-context checkpoints) is not supported yet")
+        inv_freqs = [hf_rope.inv_freq.float()]                                # [R/2] per factor set
+        if hf_rope.rope_type == "default" and getattr(hf_config, "model_type", None) == "phi3":
+            # transformers' default RoPE honours partial_rotary_factor in Phi-3 only (the Llama family's, like
+            # LlamaRotaryEmbedding's, rotates whole heads); its scaled types honour it everywhere
+            from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+            inv_freqs = [Phi3RotaryEmbedding.compute_default_rope_parameters(hf_config)[0].float()]
+        rotary_dim = 2 * inv_freqs[0].numel()
+        if rotary_dim > hf_config.head_dim:
+            raise ValueError(f"RoPE over {rotary_dim} dims of a {hf_config.head_dim}-dim head")
+        self.long_switch: tuple[int, int] | None = None
+        """longrope: (M, row offset of the long table): positions of requests whose prompt exceeds M come offset."""
+        original = longrope_switch_length(hf_config, max_positions)
+        if original is not None:  # else no sequence ever switches: the short table alone
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=original + 1)
+            inv_freqs.append(long_inv_freq.float())
+            self.long_switch = (original, max_positions)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.cat([torch.outer(positions, f) for f in inv_freqs])   # [P * sets, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                               # [P * sets, R]
         self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the step's positions, each [T, D]; looked up once per step, not per layer."""
+        """cos, sin for the step's positions, each [T, R]; looked up once per step, not per layer."""
         cos = self.cos.index_select(0, positions).to(dtype)
         sin = self.sin.index_select(0, positions).to(dtype)
         return cos, sin
@@ -72,8 +101,11 @@ class Attention(nn.Module):
                  shard: ShardContext, sliding_window: int | None = None):
         super().__init__()
         self.sliding_window = sliding_window
+        # attention_bias (Llama, Qwen3, OLMoE, Granite configs): q, k, v and o biased; Qwen2: q, k, v only
+        bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if feats.qkv_bias_from_config else feats.qkv_bias) or bias
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, feats.qkv_bias, method, shard.rank, shard.size)
+                                          cfg.num_key_value_heads, qkv_bias, method, shard.rank, shard.size)
         self.num_heads = self.qkv_proj.num_heads        # this rank's
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -81,7 +113,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.scale = cfg.attention_multiplier if feats.multipliers else self.head_dim ** -0.5
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, method,
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias, method,
                                         shard.rank, shard.size, shard.all_reduce)
         # Qwen3: per head (width head_dim); OLMoE: over the whole projection (one rank holds all of it)
         q_width, k_width = (self.q_size, self.kv_size) if feats.qk_norm_full_width else (self.head_dim,) * 2
@@ -111,16 +143,38 @@ class Attention(nn.Module):
         return self.o_proj.forward(o.reshape(t, self.q_size))
 
 
+ActAndMul = Callable[[torch.Tensor], torch.Tensor]
+
+
+def gated_activation(cfg) -> ActAndMul | None:
+    """act(gate) * up over a fused [T, 2I] gate_up, for a config whose `hidden_act` is not SiLU (transformers'
+    ACT2FN[hidden_act]); None for SiLU, which the layer ops compute (fused where they build)."""
+    name = getattr(cfg, "hidden_act", "silu")
+    if name in ("silu", "swish"):
+        return None
+    from transformers.activations import ACT2FN
+
+    act = ACT2FN[name]
+
+    def act_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+    return act_and_mul
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, method: LinearMethod, shard: ShardContext):
+    def __init__(self, hidden_size: int, intermediate_size: int, method: LinearMethod, shard: ShardContext,
+                 act_and_mul: ActAndMul | None = None, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, method,
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, method,
                                                        shard.rank, shard.size)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, method, shard.rank,
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, method, shard.rank,
                                            shard.size, shard.all_reduce)
+        self.act_and_mul = act_and_mul  # None: SiLU, the layer ops'
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        act_and_mul = ops.silu_and_mul if self.act_and_mul is None else self.act_and_mul
+        return self.down_proj.forward(act_and_mul(self.gate_up_proj.forward(x)))
 
 
 class SparseMoeBlock(nn.Module):
@@ -137,13 +191,16 @@ class SparseMoeBlock(nn.Module):
                                 method=method)
         # names in the checkpoint where they differ from ours (weight_loader.py)
         self.checkpoint_name, self.gate.checkpoint_name = feats.moe_prefix, feats.router_name
+        self.act_and_mul = gated_activation(cfg)  # None: SiLU, the layer ops'
         self.shared_expert = None
         if feats.shared_expert:
-            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, method, shard)
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, method, shard,
+                                     self.act_and_mul)
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, DenseMethod())
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        out = self.experts.forward(x, self.gate.forward(x), ops.silu_and_mul)
+        act_and_mul = ops.silu_and_mul if self.act_and_mul is None else self.act_and_mul
+        out = self.experts.forward(x, self.gate.forward(x), act_and_mul)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate.forward(x)) * self.shared_expert.forward(x, ops)
         return out
@@ -157,7 +214,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, feats, backend, method, shard, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (SparseMoeBlock(cfg, feats, method, shard) if sparse
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, method, shard))
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, method, shard, gated_activation(cfg),
+                             bool(getattr(cfg, "mlp_bias", False))))  # mlp_bias: Llama, Granite configs
         # Granite: each sublayer's output is scaled before it joins the residual stream
         self.residual_multiplier = cfg.residual_multiplier if feats.multipliers else None
 

@@ -160,7 +160,8 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step's model inputs (worker/step_inputs.py), after update_states applied the diff."""
-        return build_step_inputs(self.batch, out, self.spec.block_size, self.device)
+        long_switch = getattr(getattr(self.model, "rope", None), "long_switch", None)  # longrope models only
+        return build_step_inputs(self.batch, out, self.spec.block_size, self.device, long_switch)
 
     # ---- prompt logprobs ------------------------------------------------------------------------
     def prompt_logprobs(self, out: SchedulerOutput, inputs: StepInputs,

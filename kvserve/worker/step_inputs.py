@@ -24,7 +24,7 @@ class StepInputs:
     """One step's flattened batch (decodes first)."""
 
     input_ids: torch.Tensor          # [T] int64
-    positions: torch.Tensor          # [T] int64
+    positions: torch.Tensor          # [T] int64 (the RoPE table's rows: rope_positions)
     attn: CommonAttentionMetadata
     logits_indices: torch.Tensor     # [N] int64: rows of the hidden states that sample
     sample_rows: np.ndarray          # [N] batch row of each logits row
@@ -76,6 +76,19 @@ def token_positions(computed: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarra
     req_idx = np.repeat(np.arange(len(q_lens)), q_lens)                                             # [T]
     positions = computed[req_idx] + np.arange(num_tokens) - (cu - q_lens)[req_idx]                  # [T]
     return req_idx, positions, cu
+
+
+def rope_positions(batch: InputBatch, rows: np.ndarray, req_idx: np.ndarray, positions: np.ndarray,
+                   long_switch: tuple[int, int] | None) -> np.ndarray:
+    """The rows of the model's RoPE tables the tokens read: their positions, except under longrope
+    (`long_switch` (M, offset): models/llama.py RotaryEmbedding), where the tokens of a request whose prompt
+    is longer than M read the long-factor table, `offset` rows down."""
+    if long_switch is None:
+        return positions
+    original, offset = long_switch
+    long = np.fromiter((len(batch.states[r].prompt_token_ids) > original for r in rows), dtype=np.int64,
+                       count=len(rows))                                                              # [B]
+    return positions + offset * long[req_idx]
 
 
 def attention_rows(req_idx: np.ndarray, positions: np.ndarray, q_lens: np.ndarray, seq_lens: np.ndarray,
@@ -142,9 +155,10 @@ def grammar_rows(out: SchedulerOutput, sample_ids: list[str], num_logits: np.nda
     return GrammarBitmask(bitmask, dst)
 
 
-def build_step_inputs(batch: InputBatch, out: SchedulerOutput, block_size: int,
-                      device: torch.device) -> StepInputs:
-    """The model's inputs for the step `out` describes (its requests' rows are in `batch`)."""
+def build_step_inputs(batch: InputBatch, out: SchedulerOutput, block_size: int, device: torch.device,
+                      long_switch: tuple[int, int] | None = None) -> StepInputs:
+    """The model's inputs for the step `out` describes (its requests' rows are in `batch`); long_switch: the
+    model's longrope switch (rope_positions)."""
     spec = out.scheduled_spec_decode_tokens
     req_ids, q_lens, num_drafts = step_order(out)
     rows = np.fromiter((batch.index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))          # [B]
@@ -160,8 +174,9 @@ def build_step_inputs(batch: InputBatch, out: SchedulerOutput, block_size: int,
     meta = attention_metadata(batch, attn, slots, bool(num_drafts.any()), block_size, device)
     sampling, num_logits, logits_indices = logits_layout(cu, samples, num_drafts)
     sample_ids = [req_ids[i] for i in sampling]
+    rope_rows = rope_positions(batch, rows, req_idx, positions, long_switch)               # [T]
     return StepInputs(
-        input_ids=torch.from_numpy(input_ids).to(device), positions=torch.from_numpy(positions).to(device),
+        input_ids=torch.from_numpy(input_ids).to(device), positions=torch.from_numpy(rope_rows).to(device),
         attn=meta, logits_indices=torch.from_numpy(logits_indices).to(device),
         sample_rows=np.repeat(rows[sampling], num_logits), sample_req_ids=sample_ids, num_logits=num_logits,
         drafts=[spec.get(r, []) for r in sample_ids] if spec else [[] for _ in sample_ids],

@@ -5,7 +5,9 @@ Each checkpoint has 8 experts, 2 per token, dense and sparse layers mixed where 
 shared experts where it has them, and every weight randomised, 1-D ones (norms, biases) included, so that a
 norm or bias we load wrongly changes the logits. Compared: the experts each token picks (before the logits,
 where a near-tie could flip one), the logits of a mixed batch through the paged cache, and greedy tokens
-through the engine with chunked prefill and a prefix-cache hit, block invariants after every step.
+through the engine with chunked prefill and a prefix-cache hit, through preemption, and through speculative
+decoding (n-gram lookup, a draft model of the same architecture), block invariants after every step. Other
+shapes and seeds: tests/engine/test_architecture_variants.py; TP=2: tests/e2e/test_tp_new_architectures.py.
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.model_loader.weight_loader import expected_tensors
 from kvserve.sampling_params import SamplingParams
-from tests.helpers.architectures import chosen_experts, make_checkpoint, tiny_config
-from tests.helpers.engine import run_last_after_prefix, run_to_completion
-from tests.helpers.oracles import hf_greedy, hf_logits, mixed_batch, paged_logits
+from tests.helpers.architectures import (assert_every_tensor_consumed, checkpoint_tensor_names, chosen_experts,
+                                         make_checkpoint, tiny_config)
+from tests.helpers.engine import check_tables_cover_only_computed, run_last_after_prefix, run_to_completion
+from tests.helpers.oracles import assert_matches_hf, hf_greedy, hf_logits, mixed_batch, paged_logits
 
 MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granitemoe")
 NEW_ARCHS = MOE_ARCHS + ("phi3", "granite")
@@ -40,21 +43,12 @@ def _engine(path: str, **kwargs) -> Engine:
     return Engine(EngineArgs(model=path, num_gpu_blocks_override=64, **kwargs))
 
 
-def _checkpoint_names(path: str) -> set[str]:
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
-        return set(f.keys())
-
-
 def test_every_checkpoint_tensor_is_consumed(checkpoint):
     arch, path, _ = checkpoint
     engine = _engine(path)
-    model = engine.core.executor.worker.runner.model
     # transformers writes experts one tensor each, except Granite-MoE's, stacked
-    stacked = arch == "granitemoe"
-    needed = {name for name, t in expected_tensors(model).items() if not t.expert or t.stacked == stacked}
-    assert _checkpoint_names(path) == needed
+    assert_every_tensor_consumed(engine, path, stacked=arch == "granitemoe")
+    model = engine.core.executor.worker.runner.model
     assert any(t.expert for t in expected_tensors(model).values()) == (arch in MOE_ARCHS)
 
 
@@ -113,11 +107,60 @@ def test_ngram_speculation_verifies_drafts_through_the_experts(checkpoint):
     assert done["0"].outputs[0].token_ids == hf_greedy(hf, prompt, 24)[0]
 
 
+def _shared_prefix_requests(seed: int) -> list[tuple[list[int], int]]:
+    """(prompt, max_tokens): six prompts of 1 to 70 tokens, four of them sharing a 24-token prefix (prefix hits
+    among the requests queued together), some made of repeated segments (n-gram lookup finds drafts)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def toks(n):
+        return torch.randint(3, 49152, (n,), generator=g).tolist()
+
+    prefix, segment = toks(24), toks(5)
+    prompts = [prefix + toks(9), prefix + segment * 6, toks(1), prefix + toks(46), toks(17) + segment * 3,
+               prefix + segment * 2]
+    return [(p, n) for p, n in zip(prompts, (12, 16, 9, 14, 16, 11))]
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "draft_model", "other_draft_model"])
+def test_greedy_tokens_match_transformers_through_preemption(checkpoint, spec, tmp_path):
+    """A pool of 14 blocks of 8 tokens for six requests of up to 84 tokens queued at once: requests are
+    preempted and recomputed, prompts are chunked (24 tokens a step) and hit each other's prefixes; with
+    speculation, drafts (n-gram lookup; the checkpoint as its own draft model; another checkpoint of the same
+    architecture, other weights, whose drafts are mostly rejected) are verified through the experts. Every
+    request's greedy tokens equal transformers'; block invariants after every step."""
+    arch, path, hf = checkpoint
+    draft = path
+    if spec == "other_draft_model":
+        make_checkpoint(str(tmp_path), arch, seed=99)
+        draft = str(tmp_path)
+    speculative = None if spec is None else {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False} if spec == "ngram" else {
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
+    reqs = _shared_prefix_requests(seed=len(arch))
+    engine, done = assert_matches_hf(dict(model=path, num_gpu_blocks_override=14, block_size=8,
+                                          max_num_batched_tokens=24, max_num_seqs=6,
+                                          speculative_config=speculative), reqs, hf,
+                                     # NOTE: a draft model holds look-ahead slots past the verified tokens
+                                     after_step=check_tables_cover_only_computed if spec in (None, "ngram") else None)
+    stats = engine.scheduler.stats
+    assert stats.num_preemptions > 0
+    # n-gram lookup proposes once a sampled token occurred earlier (random weights may never repeat one)
+    outs = [done[str(i)].outputs[0].token_ids for i in range(len(reqs))]
+    lookup_hits = any(out[j] in prompt + out[:j] for (prompt, _), out in zip(reqs, outs) for j in range(len(out) - 1))
+    if spec in ("draft_model", "other_draft_model") or (spec == "ngram" and lookup_hits):
+        assert stats.num_spec_drafts > 0
+    if spec == "draft_model":  # its own draft: nearly every draft accepted
+        assert stats.num_spec_accepted_tokens > 0.9 * stats.num_spec_draft_tokens
+    if spec == "other_draft_model":  # unrelated weights: most drafts rejected
+        assert stats.num_spec_accepted_tokens < 0.5 * stats.num_spec_draft_tokens
+
+
 def test_stacked_expert_tensors_load_as_per_expert_ones(tmp_path):
     """A checkpoint holding transformers' stacked expert tensors (`mlp.experts.gate_up_proj`) loads and gives
     the same logits."""
     hf = make_checkpoint(str(tmp_path), "qwen3_moe", seed=3, stacked_experts=True)
-    assert "model.layers.0.mlp.experts.gate_up_proj" in _checkpoint_names(str(tmp_path))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in checkpoint_tensor_names(str(tmp_path))
     engine = _engine(str(tmp_path))
     batch = mixed_batch(seed=11)[:3]
     for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
@@ -162,21 +205,3 @@ def test_kv_calc_sizes_the_new_architectures(checkpoint, capsys):
     cfg = hf.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     assert report["kv_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
-
-
-@pytest.mark.parametrize(("rope", "message"), [
-    (dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75"),
-    (dict(original_max_position_embeddings=512,
-          rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}), "longrope")])
-def test_rope_variants_not_built_yet_are_refused(tmp_path, rope, message):
-    """Phi-3 checkpoints whose RoPE we would compute differently from transformers fail at load, by name."""
-    import transformers as tf
-
-    from tests.helpers.checkpoints import builtin_tokenizer
-
-    cfg = tf.Phi3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **rope)
-    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
-    builtin_tokenizer().save_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match=message):
-        _engine(str(tmp_path))

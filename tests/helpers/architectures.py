@@ -1,6 +1,6 @@
-"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite, Gemma 2/3)
-and of sliding-window ones (Mistral, Qwen2 with windowed layers), built with transformers' own config classes:
-every weight randomised, 1-D ones included."""
+"""Tiny random-weight checkpoints of the architectures beyond the Llama family (MoE, Phi-3, Granite, Gemma 2/3,
+DeepSeek) and of sliding-window ones (Mistral, Qwen2 with windowed layers), built with transformers' own config
+classes: every weight randomised, 1-D ones included."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,9 @@ import os
 import torch
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, **overrides):
+    """The tiny config of `arch`, built by transformers' own config class; `overrides` replace or add constructor
+    arguments (other shapes and RoPE variants: tests/engine/test_architecture_variants.py)."""
     import transformers as tf
 
     common = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -16,51 +18,65 @@ def tiny_config(arch: str):
                   rms_norm_eps=1e-5)
     moe = dict(num_experts_per_tok=2, intermediate_size=96)
     if arch == "qwen3_moe":  # layer 1 dense (mlp_only_layers), per-head q/k norm, renormalised top-k
-        return tf.Qwen3MoeConfig(**common, **moe, num_hidden_layers=3, head_dim=32, num_experts=8,
-                                 moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)
-    if arch == "mixtral":    # every layer sparse, experts named w1/w3/w2 under block_sparse_moe
-        return tf.MixtralConfig(**common, num_experts_per_tok=2, intermediate_size=48, num_hidden_layers=2,
-                                num_local_experts=8, sliding_window=None)
-    if arch == "qwen2_moe":  # layers 1 and 3 sparse (decoder_sparse_step 2), a gated shared expert, qkv bias
-        return tf.Qwen2MoeConfig(**common, **moe, num_hidden_layers=4, num_experts=8, moe_intermediate_size=32,
-                                 shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=False)
-    if arch == "olmoe":      # q/k norm over the whole projection, clip_qkv, top-k not renormalised
-        return tf.OlmoeConfig(**common, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
-                              num_experts=8, clip_qkv=1.5, norm_topk_prob=False)
-    if arch == "granitemoe":  # the four multipliers; experts stored stacked (input_linear / output_linear)
-        return tf.GraniteMoeConfig(**common, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
-                                   num_local_experts=8, embedding_multiplier=6.0, attention_multiplier=0.2,
-                                   residual_multiplier=0.4, logits_scaling=3.0)
-    if arch == "phi3":       # qkv_proj and gate_up_proj fused in the checkpoint
-        return tf.Phi3Config(**common, intermediate_size=128, num_hidden_layers=2, pad_token_id=0)
-    if arch == "mistral_window":  # every layer windowed (W 10, not a multiple of a block): blocks released
-        return tf.MistralConfig(**common, intermediate_size=128, num_hidden_layers=2, sliding_window=10)
-    if arch == "granite":    # the four multipliers
-        return tf.GraniteConfig(**common, intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
-                                attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
-    if arch == "mistral_sliding":  # every layer windowed (12: below a block of 16, not a multiple of 8)
-        return tf.MistralConfig(**common, intermediate_size=128, num_hidden_layers=2, sliding_window=12)
-    if arch == "qwen2_sliding":    # layer 0 full attention, layers 1-2 windowed (max_window_layers); qkv bias
-        return tf.Qwen2Config(**common, intermediate_size=128, num_hidden_layers=3, use_sliding_window=True,
-                              sliding_window=10, max_window_layers=1)
+        cls, kwargs = tf.Qwen3MoeConfig, dict(**moe, num_hidden_layers=3, head_dim=32, num_experts=8,
+                                              moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)
+    elif arch == "mixtral":    # every layer sparse, experts named w1/w3/w2 under block_sparse_moe
+        cls, kwargs = tf.MixtralConfig, dict(num_experts_per_tok=2, intermediate_size=48, num_hidden_layers=2,
+                                             num_local_experts=8, sliding_window=None)
+    elif arch == "qwen2_moe":  # layers 1 and 3 sparse (decoder_sparse_step 2), a gated shared expert, qkv bias
+        cls, kwargs = tf.Qwen2MoeConfig, dict(**moe, num_hidden_layers=4, num_experts=8, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=48, decoder_sparse_step=2,
+                                              norm_topk_prob=False)
+    elif arch == "olmoe":      # q/k norm over the whole projection, clip_qkv, top-k not renormalised
+        cls, kwargs = tf.OlmoeConfig, dict(num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
+                                           num_experts=8, clip_qkv=1.5, norm_topk_prob=False)
+    elif arch == "granitemoe":  # the four multipliers; experts stored stacked (input_linear / output_linear)
+        cls, kwargs = tf.GraniteMoeConfig, dict(num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
+                                                num_local_experts=8, embedding_multiplier=6.0,
+                                                attention_multiplier=0.2, residual_multiplier=0.4,
+                                                logits_scaling=3.0)
+    elif arch == "phi3":       # qkv_proj and gate_up_proj fused in the checkpoint
+        cls, kwargs = tf.Phi3Config, dict(intermediate_size=128, num_hidden_layers=2, pad_token_id=0)
+    elif arch == "granite":    # the four multipliers
+        cls, kwargs = tf.GraniteConfig, dict(intermediate_size=128, num_hidden_layers=2, embedding_multiplier=6.0,
+                                             attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=3.0)
+    elif arch == "mistral_window":  # every layer windowed (W 10, not a multiple of a block): blocks released
+        cls, kwargs = tf.MistralConfig, dict(intermediate_size=128, num_hidden_layers=2, sliding_window=10)
+    elif arch == "mistral_sliding":  # every layer windowed (12: below a block of 16, not a multiple of 8)
+        cls, kwargs = tf.MistralConfig, dict(intermediate_size=128, num_hidden_layers=2, sliding_window=12)
+    elif arch == "qwen2_sliding":    # layer 0 full attention, layers 1-2 windowed (max_window_layers); qkv bias
+        cls, kwargs = tf.Qwen2Config, dict(intermediate_size=128, num_hidden_layers=3, use_sliding_window=True,
+                                           sliding_window=10, max_window_layers=1)
+    elif arch in ("gemma2", "gemma3", "gemma3_mm"):
+        return _tiny_gemma(arch, common, overrides)
+    elif arch.startswith("deepseek"):
+        return _tiny_deepseek(arch, common | overrides)
+    else:
+        raise ValueError(arch)
+    return cls(**(common | kwargs | overrides))
+
+
+def _tiny_gemma(arch: str, common: dict, overrides: dict):
+    """Gemma 2 (sliding and global layers alternating, both soft caps) and Gemma 3 (sliding layers with their own
+    RoPE base, one global layer with linear RoPE scaling); window 12, query_pre_attn_scalar != head_dim, tied
+    embeddings. gemma3_mm: the multimodal checkpoint, Gemma 3 text beside a tiny vision tower."""
+    import transformers as tf
+
     gemma = dict(common, tie_word_embeddings=True, intermediate_size=96, head_dim=32, sliding_window=12,
                  query_pre_attn_scalar=24, pad_token_id=0)
-    if arch == "gemma2":     # sliding and global layers alternating, both soft caps
-        return tf.Gemma2Config(**gemma, num_hidden_layers=4, attn_logit_softcapping=20.0,
-                               final_logit_softcapping=15.0)
-    if arch == "gemma3":     # sliding layers with their own RoPE base, one global layer with linear RoPE scaling
-        return tf.Gemma3TextConfig(**gemma, num_hidden_layers=5, sliding_window_pattern=3, rope_local_base_freq=500.0,
-                                   rope_theta=20000.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
-                                   final_logit_softcapping=25.0)
-    if arch == "gemma3_mm":  # the multimodal checkpoint: Gemma 3 text (as above) beside a tiny vision tower
-        vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                       num_attention_heads=2, image_size=28, patch_size=14)
-        return tf.Gemma3Config(text_config=tiny_config("gemma3").to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                               boi_token_index=60000, eoi_token_index=60001, image_token_index=60002,
-                               eos_token_id=[2, 106])
-    if arch.startswith("deepseek"):
-        return _tiny_deepseek(arch, common)
-    raise ValueError(arch)
+    if arch == "gemma2":
+        return tf.Gemma2Config(**(gemma | dict(num_hidden_layers=4, attn_logit_softcapping=20.0,
+                                               final_logit_softcapping=15.0) | overrides))
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(**(gemma | dict(num_hidden_layers=5, sliding_window_pattern=3,
+                                                   rope_local_base_freq=500.0, rope_theta=20000.0,
+                                                   rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                                   final_logit_softcapping=25.0) | overrides))
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=2, image_size=28, patch_size=14)
+    return tf.Gemma3Config(text_config=tiny_config("gemma3", **overrides).to_dict(), vision_config=vision.to_dict(),
+                           mm_tokens_per_image=4, boi_token_index=60000, eoi_token_index=60001,
+                           image_token_index=60002, eos_token_id=[2, 106])
 
 
 def _tiny_deepseek(arch: str, common: dict):
@@ -102,19 +118,20 @@ def _tiny_deepseek(arch: str, common: dict):
 
 
 def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool = False,
-                    state_dict_names: bool = False):
+                    state_dict_names: bool = False, **overrides):
     """Write a tiny random checkpoint + the SmolLM2 tokenizer to `path`; returns transformers' model (eager
     attention and experts), the oracle. stacked_experts: the experts saved as transformers holds them
     (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) rather than one tensor per expert.
     state_dict_names: every tensor saved under its name in transformers' state_dict, not the name save_pretrained
-    converts it to (a multimodal model's `model.language_model.*`, not `language_model.model.*`)."""
+    converts it to (a multimodal model's `model.language_model.*`, not `language_model.model.*`).
+    overrides: tiny_config's."""
     import transformers as tf
     from safetensors.torch import save_file
 
     from tests.helpers.checkpoints import builtin_tokenizer
 
     torch.manual_seed(seed)
-    cfg = tiny_config(arch)
+    cfg = tiny_config(arch, **overrides)
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
@@ -138,6 +155,24 @@ def make_checkpoint(path: str, arch: str, seed: int = 0, stacked_experts: bool =
     builtin_tokenizer().save_pretrained(path)
     return model
 
+
+
+def checkpoint_tensor_names(path: str) -> set[str]:
+    """The tensor names of the checkpoint in folder `path` (one model.safetensors)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+def assert_every_tensor_consumed(engine, path: str, stacked: bool = False) -> None:
+    """The checkpoint's tensor names are exactly those the model loads (none left over, none missing); experts
+    one tensor each, or stacked (Granite-MoE's, or transformers' own 3-D tensors)."""
+    from kvserve.model_loader.weight_loader import expected_tensors
+
+    model = engine.core.executor.worker.runner.model
+    needed = {name for name, t in expected_tensors(model).items() if not t.expert or t.stacked == stacked}
+    assert checkpoint_tensor_names(path) == needed
 
 
 @torch.inference_mode()

@@ -38,6 +38,25 @@ def test_rope_on_leading_heads_of_fused_projection(rows):
     assert torch.equal(got[:, v:], qkv[:, v:]), "v is not rotated"
 
 
+def test_partial_rope_rotates_the_first_dims_of_each_head():
+    """cos/sin narrower than a head (partial RoPE): its first R dims rotate as a whole head of R would, the
+    others and v pass through, in both implementations."""
+    torch.manual_seed(3)
+    heads, kv_heads, d, r = 4, 2, 16, 12
+    qkv = torch.randn(9, (heads + 2 * kv_heads) * d)
+    angles = torch.randn(9, r // 2).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    want = LayerOps.rope_qk(qkv, cos, sin, heads + kv_heads, d)
+    got = fused.rope_qk(qkv.clone(), cos, sin, heads + kv_heads, d)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    by_head = qkv[:, :(heads + kv_heads) * d].reshape(9, heads + kv_heads, d)
+    whole = LayerOps.rope_qk(by_head[..., :r].reshape(9, -1), cos, sin, heads + kv_heads, r)
+    want_heads = want[:, :(heads + kv_heads) * d].reshape(9, heads + kv_heads, d)
+    assert torch.equal(want_heads[..., :r], whole.reshape(9, heads + kv_heads, r))
+    assert torch.equal(want_heads[..., r:], by_head[..., r:])
+    assert torch.equal(got[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:])
+
+
 @pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
 def test_act_and_mul_on_a_row_strided_view(op):
     torch.manual_seed(0)

@@ -50,14 +50,15 @@ void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::T
 template <typename T>
 void rope_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_heads,
                int64_t head_dim) {
-  const int64_t T_ = qkv.size(0), D = head_dim, half = head_dim / 2, stride = qkv.stride(0);
+  // R: the rotated dims at the start of each head (partial RoPE: R < head_dim; the rest pass through)
+  const int64_t T_ = qkv.size(0), D = head_dim, R = cos.size(1), half = R / 2, stride = qkv.stride(0);
   T* p = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
 #pragma omp parallel for schedule(static) if (T_ > 8)
   for (int64_t t = 0; t < T_; ++t) {
-    const T* c = cp + t * D;
-    const T* s = sp + t * D;
+    const T* c = cp + t * R;
+    const T* s = sp + t * R;
     for (int64_t h = 0; h < num_heads; ++h) {
       T* x = p + t * stride + h * D;
       for (int64_t i = 0; i < half; ++i) {
@@ -126,13 +127,15 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 }
 
 // Rotate-half RoPE, in place, on the first num_heads heads of each row of qkv [T, W] (q heads then k heads
-// of a fused projection): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos/sin [T, D].
+// of a fused projection): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos/sin [T, R]: the first R <= D
+// dims of each head rotate (partial RoPE where R < D), the others are left as they are.
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim) {
   check_rows(qkv, "rope_ qkv");
   check_same_dtype(qkv, cos, "rope_");
   check_same_dtype(qkv, sin, "rope_");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == qkv.size(0) * head_dim &&
-                  sin.numel() == cos.numel() && head_dim % 2 == 0 && num_heads * head_dim <= qkv.size(1),
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == qkv.size(0) &&
+                  cos.size(1) <= head_dim && cos.size(1) % 2 == 0 && sin.sizes() == cos.sizes() &&
+                  num_heads * head_dim <= qkv.size(1),
               "rope_: shapes do not match");
   if (qkv.scalar_type() == torch::kFloat32) {
     rope_impl<float>(qkv, cos, sin, num_heads, head_dim);
