@@ -17,7 +17,8 @@ _PHI3_ROPE = dict(partial_rotary_factor=0.5, original_max_position_embeddings=16
                   rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3],
                                 "long_factor": [2.0, 2.7, 3.4, 4.1]})
 TP_ARCHS = [("qwen3_moe", {}), ("mixtral", {}), ("qwen2_moe", {}), ("granitemoe", {}), ("phi3", {}),
-            ("granite", {}), ("phi3", _PHI3_ROPE), ("granite", dict(attention_bias=True, mlp_bias=True))]
+            ("granite", {}), ("phi3", _PHI3_ROPE), ("granite", dict(attention_bias=True, mlp_bias=True)),
+            ("gemma2", {}), ("gemma3", {})]
 
 
 @pytest.mark.parametrize(("arch", "overrides"), TP_ARCHS,
