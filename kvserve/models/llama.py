@@ -192,6 +192,8 @@ class SparseMoeBlock(nn.Module):
         # names in the checkpoint where they differ from ours (weight_loader.py)
         self.checkpoint_name, self.gate.checkpoint_name = feats.moe_prefix, feats.router_name
         self.act_and_mul = gated_activation(cfg)  # None: SiLU, the layer ops'
+        if self.act_and_mul is not None and self.experts.impl == "fused":
+            self.experts.impl = "sorted"  # the C++ expert loop fuses SiLU only
         self.shared_expert = None
         if feats.shared_expert:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, method, shard,
