@@ -82,7 +82,7 @@ def test_engine_on_triton_paged_matches_transformers(kernels, tmp_path):
     rng = random.Random(5)
     reqs = [([rng.randrange(3, 49152) for _ in range(n)], m) for n, m in [(1, 20), (37, 10), (45, 8)]]
     reqs.append(([7, 8, 9] * 12, 12))  # repetitive: n-gram drafts get proposed and verified
-    engine = Engine(EngineArgs(model=str(tmp_path), attention_backend="triton_paged", num_gpu_blocks_override=9,
+    engine = Engine(EngineArgs(model=str(tmp_path), attention_backend="triton_paged", num_gpu_blocks_override=5,
                                max_num_batched_tokens=16, max_num_seqs=4,
                                speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 2,
