@@ -69,3 +69,9 @@ def moe_impl() -> str:
     default: one C++ call per layer on the CPU, else as `sorted`), `sorted` (tokens sorted by expert, one pass
     over the active experts in PyTorch) or `reference` (transformers' loop)."""
     return _get("KVSERVE_MOE_IMPL") or "fused"
+
+
+def cpu_isa() -> str | None:
+    """KVSERVE_CPU_ISA: the instruction set the C++ kernels are built for, `avx512` | `avx2` | `scalar`
+    (utils/cpu_isa.py); unset, the best this CPU runs. Forcing a lower one tests that path on a newer CPU."""
+    return _get("KVSERVE_CPU_ISA")

@@ -21,10 +21,11 @@ import time
 from collections.abc import Iterator, Sequence
 
 import kvserve.envs as envs
+from kvserve.utils.cpu_isa import isa_cflags, selected_isa
 
 logger = logging.getLogger(__name__)
 
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+_CFLAGS = ("-O3", "-fopenmp", "-ffast-math")
 _LDFLAGS = ("-fopenmp",)
 
 
@@ -47,6 +48,15 @@ def kernel_key(code: bytes, cflags: Sequence[str], ldflags: Sequence[str]) -> st
     parts = (hashlib.sha256(code).hexdigest(), " ".join(cflags), " ".join(ldflags),
              sys.prefix, sys.version, torch.__version__, _cpu_tag())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def build_cflags(isa: str) -> tuple[str, ...]:
+    return (*_CFLAGS, *isa_cflags(isa))
+
+
+def kernel_module_name(name: str, code: bytes, isa: str) -> str:
+    """The build's name (and its directory's) in the cache: the kernel, its instruction set, its key."""
+    return f"{name}_{isa}_{kernel_key(code, build_cflags(isa), _LDFLAGS)}"
 
 
 @contextlib.contextmanager
@@ -77,7 +87,8 @@ def _reason(e: Exception) -> str:
 
 
 def build_extension(name: str, source: str, what: str):
-    """Load `source` (one C++ file with its own PYBIND11_MODULE) built for this CPU and environment, compiling it
+    """Load `source` (one C++ file with its own PYBIND11_MODULE) built for this CPU's instruction set (or
+    KVSERVE_CPU_ISA's: utils/cpu_isa.py) and environment, compiling it
     on the first use of this key (logged), or return None (logged) when it cannot be built here, so the caller
     falls back to PyTorch. Safe to call from several processes at once: one builds, the others wait for it."""
     build_dir = None
@@ -86,7 +97,8 @@ def build_extension(name: str, source: str, what: str):
 
         with open(source, "rb") as f:
             code = f.read()
-        module_name = f"{name}_{kernel_key(code, _CFLAGS, _LDFLAGS)}"
+        isa = selected_isa()
+        module_name = kernel_module_name(name, code, isa)
         build_dir = os.path.join(envs.cache_dir(), "kernels", module_name)
         os.makedirs(build_dir, exist_ok=True)
         library = os.path.join(build_dir, module_name + ".so")
@@ -96,8 +108,8 @@ def build_extension(name: str, source: str, what: str):
         with _exclusive(build_dir, what):
             if os.path.exists(complete):  # built before: no compiler or ninja needed to load it
                 return _import(module_name, library)
-            logger.info("building kernels: %s (first use with this source/compiler/environment; "
-                        "takes about a minute)", what)
+            logger.info("building kernels: %s for %s (first use with this source/compiler/environment; "
+                        "takes about a minute)", what, isa)
             start = time.perf_counter()
             copy = os.path.join(build_dir, os.path.basename(source))
             with open(copy, "wb") as f:
@@ -106,7 +118,7 @@ def build_extension(name: str, source: str, what: str):
             # would wait on it forever.
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(build_dir, "lock"))
-            module = load(name=module_name, sources=[copy], extra_cflags=list(_CFLAGS),
+            module = load(name=module_name, sources=[copy], extra_cflags=list(build_cflags(isa)),
                           extra_ldflags=list(_LDFLAGS), build_directory=build_dir, verbose=False)
             open(complete, "w").close()
             logger.info("built kernels: %s in %.0f s", what, time.perf_counter() - start)

@@ -19,6 +19,7 @@ import torch
 from kvserve import envs
 from kvserve.utils import cpp_extension
 from kvserve.utils.cpp_extension import build_extension, kernel_key
+from kvserve.utils.cpu_isa import selected_isa
 
 TINY_SOURCE = """\
 #include <torch/extension.h>
@@ -98,8 +99,8 @@ def _finish(proc: subprocess.Popen) -> tuple[dict, str]:
 
 def test_two_checkouts_build_once(tmp_path, cache_dir):
     sources = [_checkout(tmp_path, name) for name in ("checkout1", "checkout2", "checkout3")]
-    key = kernel_key(TINY_SOURCE.encode(), cpp_extension._CFLAGS, cpp_extension._LDFLAGS)
-    build_dir = cache_dir / "kernels" / f"kvserve_test_tiny_{key}"
+    name = cpp_extension.kernel_module_name("kvserve_test_tiny", TINY_SOURCE.encode(), selected_isa())
+    build_dir = cache_dir / "kernels" / name
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()  # torch's baton, as left by a build that was killed
 
