@@ -73,5 +73,24 @@ def moe_impl() -> str:
 
 def cpu_isa() -> str | None:
     """KVSERVE_CPU_ISA: the instruction set the C++ kernels are built for, `avx512` | `avx2` | `scalar`
-    (utils/cpu_isa.py); unset, the best this CPU runs. Forcing a lower one tests that path on a newer CPU."""
+    (utils/cpu_isa.py); unset, the best this CPU runs. Forcing a lower one tests that path on a newer CPU, and
+    makes kvserve choose as it would on such a CPU (no native bfloat16 below avx512: utils/cpu_features.py).
+
+    It covers kvserve's own kernels only. PyTorch's kernels and oneDNN's (the dense matmuls) have their own
+    caps, read when torch loads: ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA below. Emulating a whole machine of
+    a lower class sets all three before the process starts (`cpu_isa.emulation_env`; `kvserve bench compare
+    --cpu-isa` does it for every engine it starts; docs/features/cpu-kernels.md)."""
     return _get("KVSERVE_CPU_ISA")
+
+
+def aten_cpu_capability() -> str | None:
+    """ATEN_CPU_CAPABILITY (PyTorch's own: `default` | `avx2` | `avx512`, read when torch loads): the highest
+    instruction set of PyTorch's CPU kernels. Read here only to report it."""
+    return _get("ATEN_CPU_CAPABILITY")
+
+
+def onednn_max_cpu_isa() -> str | None:
+    """ONEDNN_MAX_CPU_ISA (oneDNN's own: `SSE41` | `AVX2` | `AVX512_CORE` | ... | `ALL`, read at oneDNN's first
+    use): the highest instruction set of oneDNN's kernels, which run kvserve's dense matmuls on the CPU. Read
+    here only to report it."""
+    return _get("ONEDNN_MAX_CPU_ISA")

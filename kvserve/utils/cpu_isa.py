@@ -17,6 +17,10 @@ ISAS = ("avx512", "avx2", "scalar")
 # build names a fixed target (AVX2, FMA, F16C, BMI2) so that it defines no AVX-512 macro on an AVX-512 CPU.
 _X86_FLAGS = {"avx512": ("-march=native",), "avx2": ("-march=haswell", "-mtune=native"),
               "scalar": ("-march=x86-64-v2", "-mtune=native")}
+# PyTorch's and oneDNN's names for the same classes (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA). `avx512` caps
+# neither: the kernels' avx512 build is -march=native too, with whatever AVX-512 extensions this CPU has.
+_ATEN = {"avx512": "avx512", "avx2": "avx2", "scalar": "default"}
+_ONEDNN = {"avx512": "ALL", "avx2": "AVX2", "scalar": "SSE41"}
 _NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma", "f16c"},
           "scalar": set()}
 
@@ -64,3 +68,12 @@ def isa_cflags(isa: str) -> tuple[str, ...]:
     if not _x86():
         return ("-mcpu=native",) if platform.machine().lower() in ("aarch64", "arm64") else ()
     return _X86_FLAGS[isa]
+
+
+def emulation_env(isa: str) -> dict[str, str]:
+    """The environment that makes a process run as a CPU of `isa`'s class: kvserve's kernels (KVSERVE_CPU_ISA),
+    PyTorch's (ATEN_CPU_CAPABILITY) and oneDNN's (ONEDNN_MAX_CPU_ISA). The last two are read when torch loads,
+    so they take effect in processes started with them, not in this one."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown instruction set {isa!r}: expected one of {', '.join(ISAS)}")
+    return {"KVSERVE_CPU_ISA": isa, "ATEN_CPU_CAPABILITY": _ATEN[isa], "ONEDNN_MAX_CPU_ISA": _ONEDNN[isa]}

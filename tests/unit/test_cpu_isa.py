@@ -42,3 +42,38 @@ def test_each_variant_is_its_own_build():
     if cpu_isa._x86():
         assert "-march=haswell" in cpp_extension.build_cflags("avx2")
         assert "-march=native" not in cpp_extension.build_cflags("avx2")
+
+
+def test_native_bf16_follows_the_selected_isa(monkeypatch):
+    """Forcing a lower ISA emulates its CPU class in kvserve's choices too: no native bf16 below avx512."""
+    from kvserve.utils import cpu_features
+
+    monkeypatch.setattr(cpu_features, "_cpu_bf16", lambda: True)
+    for isa in ("avx2", "scalar"):
+        if isa in cpu_isa.supported_isas():
+            monkeypatch.setenv("KVSERVE_CPU_ISA", isa)
+            assert not cpu_features.native_bf16()
+    monkeypatch.delenv("KVSERVE_CPU_ISA")
+    assert cpu_features.native_bf16() == (cpu_isa.detected_isa() == "avx512")
+    monkeypatch.setattr(cpu_features, "_cpu_bf16", lambda: False)
+    assert not cpu_features.native_bf16()
+
+
+def test_emulation_env_caps_every_kernel_library():
+    assert cpu_isa.emulation_env("avx2") == {"KVSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                                             "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert cpu_isa.emulation_env("scalar") == {"KVSERVE_CPU_ISA": "scalar", "ATEN_CPU_CAPABILITY": "default",
+                                               "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    assert cpu_isa.emulation_env("avx512")["ONEDNN_MAX_CPU_ISA"] == "ALL"
+    with pytest.raises(ValueError, match="unknown instruction set 'neon'"):
+        cpu_isa.emulation_env("neon")
+
+
+def test_isa_line_says_what_ran_and_whether_it_was_forced():
+    from kvserve.utils.cpu_features import describe_isa, isa_info
+
+    info = {"kernels": "avx2", "detected": "avx512", "aten": "AVX2", "onednn_max": "AVX2", "native_bf16": False}
+    assert describe_isa(info) == ("kernels avx2 (forced; this CPU runs avx512), PyTorch AVX2, oneDNN max AVX2, "
+                                  "native bf16 no")
+    assert describe_isa(info | {"kernels": "avx512", "native_bf16": True}).startswith("kernels avx512, PyTorch")
+    assert isa_info()["kernels"] == cpu_isa.selected_isa()
