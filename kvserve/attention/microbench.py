@@ -10,6 +10,8 @@
 - prefill: a chunk after cached context through the kernel vs gather + torch's flash SDPA (the path before).
 `--baseline FILE.cpp` also times another build's `paged_decode_attention` on the same decodes (an older
 kernel from git: before/after in one run). Best of several repetitions; the tests check that the paths agree.
+The first line says which instruction sets ran (KVSERVE_CPU_ISA picks the kernels' build; emulating a whole
+machine of a lower class also sets ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA: docs/features/cpu-kernels.md).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from kvserve.attention.prefill import gather
 from kvserve.attention.torch_ref import TorchRefBackend, _decode
 from kvserve.kv_cache.quant import quantize_blocks
 from kvserve.utils.cpp_extension import build_extension
+from kvserve.utils.cpu_features import describe_isa
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 # B=1: single-stream decode, whose blocks the kernel splits over the threads
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if baseline is None:
             print(f"--baseline: {args.baseline} did not build (see the log)", file=sys.stderr)
             return 2
+    print(f"instruction sets: {describe_isa()}", flush=True)
     with torch.inference_mode():
         stream = stream_gbps()
         print(f"torch threads: {torch.get_num_threads()}; stream read {stream:.1f} GB/s; per layer")

@@ -36,6 +36,8 @@ from kvserve.bench.peers import PEERS, PRESETS, Peer, PeerEnv, PeerError, RunSet
 from kvserve.bench import compare_targets
 from kvserve.bench.compare_targets import decode_tok_s, targets as _targets
 from kvserve.bench.workload import WORKLOAD_DIR, WorkloadRequest, load_workload
+from kvserve.utils.cpu_features import describe_isa
+from kvserve.utils.cpu_isa import ISAS, supported_isas
 
 _WORKLOADS = ("mixed", "prefix", "interference")
 DECODE1 = compare_targets.DECODE1  # built in: single-stream decode, one request of 256 output tokens
@@ -66,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-checkout", default="",
                         help="another kvserve checkout (e.g. a git worktree of the old main) that the "
                              "kvserve-baseline peer serves with the same flags: before vs after a change")
+    parser.add_argument("--cpu-isa", choices=ISAS, default=None,
+                        help="run every engine (peers too) as a CPU of this class: caps kvserve's kernels "
+                             "(KVSERVE_CPU_ISA), PyTorch's (ATEN_CPU_CAPABILITY) and oneDNN's (ONEDNN_MAX_CPU_ISA); "
+                             "default: the CPU as it is")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
     parser.add_argument("--setup-only", action="store_true", help="install peers and prepare weights, then stop")
     parser.add_argument("--json", dest="json_path", default=None,
@@ -79,13 +85,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.cpu_isa and args.cpu_isa not in supported_isas():
+        raise ValueError(f"--cpu-isa {args.cpu_isa}: this CPU cannot run it (it runs {', '.join(supported_isas())})")
     peers_dir = os.path.abspath(args.peers_dir)
     workloads = {name: _workload_path(name, args.workload_dir, peers_dir) for name in
                  (w.strip() for w in args.workloads.split(",") if w.strip())}
     requests = {name: load_workload(path) for name, path in workloads.items()}
     settings = RunSettings(threads=args.threads, max_num_batched_tokens=args.max_num_batched_tokens,
                            kv_cache_gib=args.kv_cache_gib, kvserve_args=tuple(shlex.split(args.kvserve_args)),
-                           baseline_checkout=args.baseline_checkout)
+                           baseline_checkout=args.baseline_checkout, cpu_isa=args.cpu_isa or "")
     log_dir = os.path.join(peers_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
 
@@ -100,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if args.setup_only:
         return 0 if not failed else 1
 
-    report = {"machine": _machine(), "settings": asdict(settings), "engines": {}, "workloads": {}}
+    report = {"machine": _machine(), "settings": asdict(settings), "isa": _engine_isa(settings), "engines": {},
+              "workloads": {}}
     for name in names:
         report["engines"][name] = {"notes": PEERS[name].notes, "version": _version(PEERS[name], ready.get(name))}
     for wname, reqs in requests.items():
@@ -217,6 +226,22 @@ def _machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count()}
 
 
+def _in_engine_env(code: str, s: RunSettings) -> object:
+    """The JSON that `code` prints last, run in a fresh Python with an engine's environment (threads, and the
+    --cpu-isa caps, which PyTorch and oneDNN read when torch loads: this process's torch is not capped)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env=thread_env(s.threads, s.cpu_isa), check=False)
+    if out.returncode != 0:
+        raise PeerError(f"probe failed (exit {out.returncode}): {out.stderr.strip()[-300:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _engine_isa(s: RunSettings) -> dict:
+    """The instruction sets an engine started by this run gets (cpu_features.isa_info, from such a process)."""
+    return _in_engine_env("import json; from kvserve.utils.cpu_features import isa_info; "
+                          "print(json.dumps(isa_info()))", s)
+
+
 # ---- running -----------------------------------------------------------------------------------------
 def _run_one(peer: Peer, env: PeerEnv, weights: str, workload: str, reqs: list[WorkloadRequest],
              s: RunSettings, log_dir: str, startup_timeout: float) -> dict:
@@ -303,7 +328,7 @@ def _run_driver(peer: Peer, env: PeerEnv, weights: str, workload: str, s: RunSet
     try:
         with open(log, "w", encoding="utf-8") as err:
             proc = subprocess.run([*driver_command(peer, env), f.name], stdout=subprocess.PIPE, stderr=err,
-                                  text=True, env=thread_env(s.threads), timeout=7200)
+                                  text=True, env=thread_env(s.threads, s.cpu_isa), timeout=7200)
     except subprocess.TimeoutExpired:
         raise PeerError(f"driver ran past 2 h (log: {log})") from None
     finally:
@@ -374,16 +399,23 @@ def _roofline(report: dict, requests: dict[str, list[WorkloadRequest]]) -> dict 
     row = report["workloads"].get("mixed", {}).get("kvserve")
     if not row or "error" in row:
         return None
-    from kvserve.bench.roofline import measure_matmul_rate, workload_flops
+    from kvserve.bench.roofline import workload_flops
     from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_config
 
-    import torch
-    torch.set_num_threads(report["settings"]["threads"])
     cfg = load_gguf_config(builtin_model_path())
     # NOTE: the best of three: right after the last server's main process exits, the rest of its process group
     # may still be winding down on the same two cores (a single measurement there has read half the rate,
-    # 214.8 GFLOP/s against 414 alone, and put kvserve at 112% of it)
-    machine = max(measure_matmul_rate(cfg) for _ in range(3))
+    # 214.8 GFLOP/s against 414 alone, and put kvserve at 112% of it). Measured in an engine's environment: the
+    # rate of the instruction sets the engines ran (--cpu-isa).
+    try:
+        machine = _in_engine_env(
+            "import json, torch; from kvserve.bench.roofline import measure_matmul_rate; "
+            "from kvserve.model_loader.gguf_loader import builtin_model_path, load_gguf_config; "
+            f"torch.set_num_threads({report['settings']['threads']}); cfg = load_gguf_config(builtin_model_path()); "
+            "print(json.dumps(max(measure_matmul_rate(cfg) for _ in range(3))))", RunSettings(**report["settings"]))
+    except (PeerError, subprocess.TimeoutExpired) as e:
+        print(f"[compare] roofline not measured: {e}", file=sys.stderr, flush=True)
+        return None
     achieved = workload_flops(cfg, requests["mixed"]) / row["duration_s"] / 1e9
     return {"machine_gflops": machine, "kvserve_gflops": achieved, "fraction": achieved / machine}
 
@@ -395,6 +427,8 @@ def format_report(report: dict, requests: dict[str, list[WorkloadRequest]]) -> s
              f"{s['kv_cache_gib']} GiB KV cache"]
     for name, e in report["engines"].items():
         lines.append(f"  {name:<13}{e['version']}: {e['notes']}")
+    if report.get("isa"):
+        lines.append(f"instruction sets of every engine: {describe_isa(report['isa'])}")
     header = (f"{'engine':<13}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>10}{'TTFT p99':>10}"
               f"{'ITL p50':>9}{'ITL p99':>9}{'kvserve x':>10}{'same text':>10}")
     for wname, rows in report["workloads"].items():

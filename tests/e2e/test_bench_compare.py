@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from kvserve.bench import compare, peer_weights
-from kvserve.bench.peers import PEERS, PeerEnv, PeerError, RunSettings, driver_command, server_command
+from kvserve.bench.peers import PEERS, PeerEnv, PeerError, RunSettings, driver_command, server_command, thread_env
 from kvserve.bench.workload import WorkloadRequest
+from kvserve.utils.cpu_isa import detected_isa, emulation_env, supported_isas
 
 
 def _write_quantized_gguf(path: str) -> dict[str, np.ndarray]:
@@ -93,6 +94,39 @@ def test_peer_command_lines_pin_threads_precision_and_budget(tmp_path):
     assert proc_env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and proc_env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     cmd, proc_env = server_command(PEERS["kvserve"], env, "", 8000, s)
     assert cmd[cmd.index("--num-threads") + 1] == "2" and "--model" not in cmd and proc_env["OMP_NUM_THREADS"] == "2"
+
+
+def test_cpu_isa_caps_every_engine_and_is_reported(tmp_path):
+    """--cpu-isa avx2: kvserve and every peer start with kvserve's, PyTorch's and oneDNN's kernels capped at AVX2
+    (a fresh process's torch sees it: ATen's capability is read when torch loads), and the report says so."""
+    if "avx2" not in supported_isas():
+        pytest.skip("this CPU cannot run AVX2")
+    s = RunSettings(threads=1, cpu_isa="avx2")
+    env = PeerEnv("/venv/bin/python", "/venv/bin", str(tmp_path))
+    caps = emulation_env("avx2")
+    for name in ("kvserve", "vllm"):
+        _, proc_env = server_command(PEERS[name], env, "/w", 8000, s)
+        assert {k: proc_env[k] for k in caps} == caps, name
+    assert {k: thread_env(1, "avx2")[k] for k in caps} == caps   # the drivers' (OpenVINO, transformers)
+    assert all(thread_env(1).get(k) == os.environ.get(k) for k in caps)   # without --cpu-isa: left as they are
+    info = compare._engine_isa(s)
+    assert info == {"kernels": "avx2", "detected": detected_isa(), "aten": "AVX2", "onednn_max": "AVX2",
+                    "native_bf16": False}
+    assert "instruction sets of every engine: kernels avx2" in compare.format_report(
+        {"machine": {"cpu": "x", "cores": 2}, "settings": {"threads": 1, "max_num_batched_tokens": 512,
+                                                            "kv_cache_gib": 2},
+         "isa": info, "engines": {}, "workloads": {}}, {})
+
+
+def test_cpu_isa_this_cpu_cannot_run_is_an_error(tmp_path, monkeypatch, capsys):
+    from kvserve.cli.main import main
+
+    monkeypatch.setattr(compare, "supported_isas", lambda: ("scalar",))
+    assert main(["bench", "compare", "--cpu-isa", "avx2", "--peers-dir", str(tmp_path)]) == 2
+    assert "--cpu-isa avx2: this CPU cannot run it (it runs scalar)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "compare", "--cpu-isa", "sse2"])
+    assert "invalid choice: 'sse2'" in capsys.readouterr().err
 
 
 def test_baseline_peer_serves_another_checkout_with_the_same_flags(tmp_path):
