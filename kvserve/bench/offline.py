@@ -17,6 +17,7 @@ import torch
 from kvserve.bench.roofline import measure_matmul_rate, workload_flops
 from kvserve.bench.workload import WorkloadRequest, load_workload
 from kvserve.config import EngineArgs
+from kvserve.utils.cpu_features import describe_isa
 
 _BASELINES = ("hf-single", "hf-batch")
 
@@ -168,6 +169,7 @@ def run(args) -> int:
     print()
     _print_table(results, results[0])
     print(roofline)
+    print(f"instruction sets: {describe_isa()}")
     if args.json:
         print(json.dumps([dataclasses.asdict(r) | {"output_tps": r.output_tps, "total_tps": r.total_tps}
                           for r in results], indent=2))

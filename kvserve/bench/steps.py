@@ -14,6 +14,7 @@ from collections import defaultdict
 
 from kvserve.bench.workload import load_workload
 from kvserve.config import EngineArgs
+from kvserve.utils.cpu_features import describe_isa
 
 _BUCKETS = ("prompt >= 256", "prompt < 256", "decode >= 32", "decode 8-31", "decode < 8")
 
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     wall = sum(t[1] for t in totals.values())
     num_steps = sum(int(t[0]) for t in totals.values())
     print(f"{args.workload}: {len(requests)} requests, {num_steps} steps, {wall:.1f} s in steps")
+    print(f"instruction sets: {describe_isa()}")
     print("per step: " + ", ".join(f"{name} {1000 * secs / num_steps:.2f} ms" for name, secs in phases.items()))
     print(f"{'bucket':<15}{'steps':>7}{'seconds':>9}{'share':>7}{'tokens':>9}{'ms/step':>9}{'tok/s':>8}")
     for name in _BUCKETS:

@@ -19,7 +19,7 @@ import torch
 from kvserve.bench import compare, peer_weights
 from kvserve.bench.peers import PEERS, PeerEnv, PeerError, RunSettings, driver_command, server_command, thread_env
 from kvserve.bench.workload import WorkloadRequest
-from kvserve.utils.cpu_isa import detected_isa, emulation_env, supported_isas
+from kvserve.utils.cpu_isa import detected_isa, emulation_env, selected_isa, supported_isas
 
 
 def _write_quantized_gguf(path: str) -> dict[str, np.ndarray]:
@@ -321,4 +321,5 @@ def test_bench_steps_accounts_for_every_token(tiny_llama, tmp_path, capsys):
     assert "prompt >= 256" in totals and bucket(3, 3) == "decode < 8" and bucket(40, 32) == "prompt < 256"
     assert main(["bench", "steps", "--workload", str(workload), "--model", path,
                  "--num-gpu-blocks-override", "64"]) == 0
-    assert "prompt >= 256" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "prompt >= 256" in out and f"instruction sets: kernels {selected_isa()}" in out
