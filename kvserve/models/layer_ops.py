@@ -76,9 +76,23 @@ class FusedLayerOps(LayerOps):
     def gelu_tanh_and_mul(self, gate_up):
         return self._m.gelu_tanh_and_mul(gate_up)
 
+    @property
+    def vector_width(self) -> int:
+        """float32 lanes of the build's vector code: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (scalar)."""
+        return self._m.vector_width()
 
-@functools.lru_cache(maxsize=1)
+
 def load_fused_layer_ops() -> FusedLayerOps | None:
+    """The fused ops built for the selected instruction set (KVSERVE_CPU_ISA or the CPU's best:
+    utils/cpu_isa.py), or None (logged) when the extension cannot be built here."""
+    from kvserve.utils.cpu_isa import selected_isa
+
+    return _load(selected_isa())
+
+
+@functools.cache
+def _load(isa: str) -> FusedLayerOps | None:
+    # NOTE: keyed by the ISA, so a process that changes KVSERVE_CPU_ISA (a test) gets that build, not the first
     from kvserve.utils.cpp_extension import build_extension
 
     module = build_extension("kvserve_layer_ops", _SOURCE, "fused layer ops")

@@ -1,18 +1,29 @@
 """The fused C++ layer ops equal the PyTorch reference (which the model-equivalence tests check against
-transformers), on shapes of decode and prefill steps and on row-strided inputs."""
+transformers), on shapes of decode and prefill steps and on row-strided inputs, built for each instruction set
+this CPU runs (KVSERVE_CPU_ISA; the CPU's best in the fast tier, the others `slow`). bfloat16:
+tests/unit/test_bf16_kernels.py and tests/e2e/test_kernel_isa.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kvserve.models.layer_ops import LayerOps, load_fused_layer_ops
+from tests.helpers.kernels import LANES, isa_params
 
-fused = load_fused_layer_ops()
-pytestmark = pytest.mark.skipif(fused is None, reason="the C++ extension does not build here")
+
+@pytest.fixture(scope="module", params=isa_params())
+def fused(request):
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("KVSERVE_CPU_ISA", request.param)
+        ops = load_fused_layer_ops()   # kvserve's own loader, which keeps one build per ISA
+    if ops is None:
+        pytest.skip("the C++ extension does not build here")
+    assert ops.vector_width == LANES[request.param], "the build runs the vector code of its ISA"
+    return ops
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_add_rms_norm(rows):
+def test_add_rms_norm(fused, rows):
     torch.manual_seed(rows)
     x, res, w = torch.randn(rows, 96), torch.randn(rows, 96), torch.randn(96)
     want_x, want_res = LayerOps.add_rms_norm(x, res, w, 1e-5)
@@ -25,7 +36,7 @@ def test_add_rms_norm(rows):
 
 
 @pytest.mark.parametrize("rows", [1, 33])
-def test_rope_on_leading_heads_of_fused_projection(rows):
+def test_rope_on_leading_heads_of_fused_projection(fused, rows):
     torch.manual_seed(rows)
     heads, kv_heads, d = 4, 2, 16
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * d)
@@ -38,7 +49,7 @@ def test_rope_on_leading_heads_of_fused_projection(rows):
     assert torch.equal(got[:, v:], qkv[:, v:]), "v is not rotated"
 
 
-def test_partial_rope_rotates_the_first_dims_of_each_head():
+def test_partial_rope_rotates_the_first_dims_of_each_head(fused):
     """cos/sin narrower than a head (partial RoPE): its first R dims rotate as a whole head of R would, the
     others and v pass through, in both implementations."""
     torch.manual_seed(3)
@@ -58,13 +69,13 @@ def test_partial_rope_rotates_the_first_dims_of_each_head():
 
 
 @pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
-def test_act_and_mul_on_a_row_strided_view(op):
+def test_act_and_mul_on_a_row_strided_view(fused, op):
     torch.manual_seed(0)
     wide = torch.randn(5, 2 * 40 + 8) * 3
     gate_up = wide[:, :80]  # rows 88 apart: a view, as a split of a wider projection would be
     torch.testing.assert_close(getattr(fused, op)(gate_up), getattr(LayerOps, op)(gate_up), rtol=1e-6, atol=1e-6)
 
 
-def test_bad_input_is_rejected():
+def test_bad_input_is_rejected(fused):
     with pytest.raises(RuntimeError, match="float32"):
         fused.silu_and_mul(torch.randn(3, 8, dtype=torch.float64))
