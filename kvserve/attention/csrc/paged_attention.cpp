@@ -8,10 +8,15 @@
 // scored together (GQA: each K/V row is read once for the group), the running max/sum are corrected once per
 // block, and the block's V rows are accumulated while it is still in L1; the next block is prefetched
 // meanwhile. Decodes score a K row against their few query rows with dot products; tiles with many rows (a
-// prefill, a draft verification, a shared prefix's group) put 16 query rows in the lanes of a vector and score
-// 16 keys at a time with broadcast FMAs (lanes_keys): a small matrix product with the softmax done lane-wise.
-// Without AVX-512 (or with a head_dim known only at run time) they first transpose the block's K into
-// [D, block_size] and score 4 rows at a time (matrix_rows).
+// prefill, a draft verification, a shared prefix's group) put 16 query rows in the lanes of a vector (8 with
+// AVX2) and score as many keys at a time with broadcast FMAs (lanes_keys): a small matrix product with the
+// softmax done lane-wise. In the scalar build (or with a head_dim known only at run time) they first transpose
+// the block's K into [D, block_size] and score 4 rows at a time (matrix_rows).
+//
+// Instruction sets (utils/cpu_isa.py builds one variant per set): AVX-512 and AVX2 + FMA have their own vector
+// operations beneath lanes_keys, the exp, the int8 KV write and the Hadamard transform; the rest is plain loops
+// that the compiler vectorises for the set it targets (the decode dot products, the widening of a bf16, int8
+// or fp8 block, libmvec's expf in the softmax), and the scalar build is those loops alone.
 //
 // Shared prefixes (cascade attention): when several sequences start with the same physical blocks, the query
 // rows of all of them attend to those blocks in one pass (K/V read once for the group, and more rows per K/V
