@@ -961,8 +961,8 @@ struct Codes<c10::Float8_e4m3fn> {
   static c10::Float8_e4m3fn put(float y) { return c10::Float8_e4m3fn(std::min(std::max(y, -kMax), kMax)); }
 };
 
-// The row operations of the write, int8 in AVX-512 or AVX2 vectors (IEEE division, round-half-even, clamp: the scalar rule's
-// results exactly), the rest through Codes<T>.
+// The row operations of the write, int8 in AVX-512 or AVX2 vectors (IEEE division, round-half-even, clamp: the
+// scalar rule's results exactly), the rest through Codes<T>.
 inline float row_amax(const float* x, int64_t D) {
   float amax = 0.0f;
   int64_t d = 0;
