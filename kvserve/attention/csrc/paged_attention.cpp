@@ -8,10 +8,15 @@
 // scored together (GQA: each K/V row is read once for the group), the running max/sum are corrected once per
 // block, and the block's V rows are accumulated while it is still in L1; the next block is prefetched
 // meanwhile. Decodes score a K row against their few query rows with dot products; tiles with many rows (a
-// prefill, a draft verification, a shared prefix's group) put 16 query rows in the lanes of a vector and score
-// 16 keys at a time with broadcast FMAs (lanes_keys): a small matrix product with the softmax done lane-wise.
-// Without AVX-512 (or with a head_dim known only at run time) they first transpose the block's K into
-// [D, block_size] and score 4 rows at a time (matrix_rows).
+// prefill, a draft verification, a shared prefix's group) put 16 query rows in the lanes of a vector (8 with
+// AVX2) and score as many keys at a time with broadcast FMAs (lanes_keys): a small matrix product with the
+// softmax done lane-wise. In the scalar build (or with a head_dim known only at run time) they first transpose
+// the block's K into [D, block_size] and score 4 rows at a time (matrix_rows).
+//
+// Instruction sets (utils/cpu_isa.py builds one variant per set): AVX-512 and AVX2 + FMA have their own vector
+// operations beneath lanes_keys, the exp, the int8 KV write and the Hadamard transform; the rest is plain loops
+// that the compiler vectorises for the set it targets (the decode dot products, the widening of a bf16, int8
+// or fp8 block, libmvec's expf in the softmax), and the scalar build is those loops alone.
 //
 // Shared prefixes (cascade attention): when several sequences start with the same physical blocks, the query
 // rows of all of them attend to those blocks in one pass (K/V read once for the group, and more rows per K/V
@@ -41,7 +46,7 @@
 
 #include <omp.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -236,94 +241,155 @@ void matrix_rows(const Item& it, int64_t hh, int64_t blk, int64_t n, const float
   }
 }
 
-constexpr int64_t kLanes = 16;  // query rows per vector in lanes_keys
-
-#ifdef __AVX512F__
 // Many query rows of one KV head (a prefill tile, a request verifying drafts) with the rows in the lanes of a
-// vector, 16 at a time, against 16 keys at a time: scores s[t] = sum_d K[t][d] * q^T[d] for the 16 keys are 16
-// independent FMA chains (each K element broadcast from memory, q^T one vector load per d), the online softmax
-// runs lane-wise on them (the block's max over keys is 15 vector maxes, its exp 16 vector exps), and the
-// output accumulates as o^T[d] = o^T[d] * corr + sum_t V[t][d] * p[t], 8 columns of d at a time. No transpose of
-// K per block (matrix_rows transposes the block's K and runs its scores as 4 latency-bound chains, which left
-// a 5-token verification run at ~4x a decode's cost per sequence).
+// vector (kLanes at a time: 16 with AVX-512, 8 with AVX2) against kLanes keys at a time: the scores of the keys
+// are kLanes independent FMA chains (each K element broadcast from memory, q^T one vector load per d), the online
+// softmax runs lane-wise on them (the block's max over keys is kLanes - 1 vector maxes, its exp kLanes vector
+// exps), and the output accumulates as o^T[d] = o^T[d] * corr + sum_t V[t][d] * p[t], 8 columns of d at a time.
+// No transpose of K per block (matrix_rows transposes the block's K and runs its scores as 4 latency-bound
+// chains, which left a 5-token verification run at ~4x a decode's cost per sequence).
+//
+// The code is written once over a few vector operations per instruction set (VecF: a vector of float lanes).
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;  // query rows per vector in lanes_keys
+using VecF = __m512;
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, VecF x) { _mm512_storeu_ps(p, x); }
+inline VecF vset(float x) { return _mm512_set1_ps(x); }
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vdiv(VecF a, VecF b) { return _mm512_div_ps(a, b); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vmax(VecF a, VecF b) { return _mm512_max_ps(a, b); }
+inline VecF vmin(VecF a, VecF b) { return _mm512_min_ps(a, b); }
+inline VecF vround(VecF x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p * 2^n for integer-valued n
+inline VecF vscale2(VecF p, VecF n) { return _mm512_scalef_ps(p, n); }
 
-// e^x for float32 lanes, to ~1e-7 relative: 2^(x log2 e) as 2^n (scalef) times 2^f, |f| <= 1/2, by its Taylor
-// series to degree 7 (error below 3e-9). A large negative x (a masked score) gives 0.
-inline __m512 exp_lanes(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// Scores of keys key0 + t the lanes do not see become kNegBig: t >= nk, t at or past a lane's limit, or (lows:
+// a sliding window's first visible keys; nullptr: none) before a lane's low.
+inline void mask_scores(VecF* s, int64_t nk, int64_t key0, const int32_t* limits, const int32_t* lows) {
+  const __m512i lim = _mm512_loadu_si512(limits);
+  const __m512i low = lows != nullptr ? _mm512_loadu_si512(lows) : _mm512_setzero_si512();
+  for (int t = 0; t < kLanes; ++t) {
+    const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
+    __mmask16 ok = t < nk ? _mm512_cmpgt_epi32_mask(lim, key) : static_cast<__mmask16>(0);
+    if (lows != nullptr) ok &= _mm512_cmple_epi32_mask(low, key);
+    s[t] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegBig), s[t]);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KVSERVE_AVX2_LANES 1
+constexpr int64_t kLanes = 8;
+using VecF = __m256;
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, VecF x) { _mm256_storeu_ps(p, x); }
+inline VecF vset(float x) { return _mm256_set1_ps(x); }
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vdiv(VecF a, VecF b) { return _mm256_div_ps(a, b); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vmax(VecF a, VecF b) { return _mm256_max_ps(a, b); }
+inline VecF vmin(VecF a, VecF b) { return _mm256_min_ps(a, b); }
+inline VecF vround(VecF x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p * 2^n for integer-valued n in [-127, 127], n built into a float's exponent bits (AVX2 has no scalef):
+// n = -127 gives 0, which exp_lanes relies on for scores far below the max.
+inline VecF vscale2(VecF p, VecF n) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline void mask_scores(VecF* s, int64_t nk, int64_t key0, const int32_t* limits, const int32_t* lows) {
+  const __m256i lim = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(limits));
+  const __m256i low = lows != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lows))
+                                      : _mm256_setzero_si256();
+  for (int t = 0; t < kLanes; ++t) {
+    const __m256i key = _mm256_set1_epi32(static_cast<int32_t>(key0 + t));
+    __m256i ok = t < nk ? _mm256_cmpgt_epi32(lim, key) : _mm256_setzero_si256();
+    if (lows != nullptr) ok = _mm256_andnot_si256(_mm256_cmpgt_epi32(low, key), ok);  // low <= key
+    s[t] = _mm256_blendv_ps(_mm256_set1_ps(kNegBig), s[t], _mm256_castsi256_ps(ok));
+  }
+}
+#else
+constexpr int64_t kLanes = 16;  // unused: no lanes without a vector unit
+#endif
+
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2_LANES)
+// e^x for float32 lanes, to ~1e-7 relative: 2^(x log2 e) as 2^n times 2^f, |f| <= 1/2, by its Taylor series to
+// degree 7 (error below 3e-9). A large negative x (a masked score) gives 0.
+inline VecF exp_lanes(VecF x) {
+  VecF t = vmul(x, vset(1.44269504088896341f));
+#ifndef __AVX512F__
+  t = vmin(vmax(t, vset(-127.0f)), vset(127.0f));  // the range vscale2 builds 2^n for (scalef saturates itself)
+#endif
+  const VecF n = vround(t);
+  const VecF f = vmul(vsub(t, n), vset(0.693147180559945309f));
+  VecF p = vset(1.0f / 5040.0f);
+  p = vfma(p, f, vset(1.0f / 720.0f));
+  p = vfma(p, f, vset(1.0f / 120.0f));
+  p = vfma(p, f, vset(1.0f / 24.0f));
+  p = vfma(p, f, vset(1.0f / 6.0f));
+  p = vfma(p, f, vset(0.5f));
+  p = vfma(p, f, vset(1.0f));
+  p = vfma(p, f, vset(1.0f));
+  return vscale2(p, n);
 }
 
 // tanh for float32 lanes, (e^2x - 1) / (e^2x + 1), x clamped to +-9 first (tanh is 1 to float precision there,
 // and e^2x stays finite).
-inline __m512 tanh_lanes(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-9.0f)), _mm512_set1_ps(9.0f));
-  const __m512 e = exp_lanes(_mm512_add_ps(x, x));
-  const __m512 one = _mm512_set1_ps(1.0f);
-  return _mm512_div_ps(_mm512_sub_ps(e, one), _mm512_add_ps(e, one));
+inline VecF tanh_lanes(VecF x) {
+  x = vmin(vmax(x, vset(-9.0f)), vset(9.0f));
+  const VecF e = exp_lanes(vadd(x, x));
+  const VecF one = vset(1.0f);
+  return vdiv(vsub(e, one), vadd(e, one));
 }
 
-// One chunk of up to 16 keys (positions key0.., rows of k and v `kstride` / `vstride` floats apart, nk of them
-// real) for one chunk of 16 lanes: qt, ot [D][16], the lanes' running max and sum, and their causal limits
-// (a lane sees keys below its limit; padding lanes have 0) and, with a sliding window, their first visible keys
-// `lows` (nullptr: none). `masked`: some key of the chunk is past a lane's limit, before its low or past nk.
-// `cap`: the logit soft cap (0: none).
+// One chunk of up to kLanes keys (positions key0.., rows of k and v `kstride` / `vstride` floats apart, nk of
+// them real) for one chunk of kLanes lanes: qt, ot [D][kLanes], the lanes' running max and sum, and their causal
+// limits (a lane sees keys below its limit; padding lanes have 0) and, with a sliding window, their first visible
+// keys `lows` (nullptr: none). `masked`: some key of the chunk is past a lane's limit, before its low or past
+// nk. `cap`: the logit soft cap (0: none).
 template <int kD>
 inline void lanes_keys(const float* k, int64_t kstride, const float* v, int64_t vstride, int64_t nk, int64_t key0,
                        bool masked, const float* qt, float* ot, float* m, float* l, const int32_t* limits,
                        const int32_t* lows, float cap) {
-  __m512 s[kLanes];
-  for (int t = 0; t < kLanes; ++t) s[t] = _mm512_setzero_ps();
+  VecF s[kLanes];
+  for (int t = 0; t < kLanes; ++t) s[t] = vzero();
   const float* kr[kLanes];
   for (int t = 0; t < kLanes; ++t) kr[t] = k + std::min<int64_t>(t, nk - 1) * kstride;
   for (int d = 0; d < kD; ++d) {
-    const __m512 q = _mm512_loadu_ps(qt + d * kLanes);
-    for (int t = 0; t < kLanes; ++t) s[t] = _mm512_fmadd_ps(_mm512_set1_ps(kr[t][d]), q, s[t]);
+    const VecF q = vload(qt + d * kLanes);
+    for (int t = 0; t < kLanes; ++t) s[t] = vfma(vset(kr[t][d]), q, s[t]);
   }
   if (cap > 0.0f) {
-    const __m512 c = _mm512_set1_ps(cap), inv = _mm512_set1_ps(1.0f / cap);
-    for (int t = 0; t < kLanes; ++t) s[t] = _mm512_mul_ps(c, tanh_lanes(_mm512_mul_ps(s[t], inv)));
+    const VecF c = vset(cap), inv = vset(1.0f / cap);
+    for (int t = 0; t < kLanes; ++t) s[t] = vmul(c, tanh_lanes(vmul(s[t], inv)));
   }
-  if (masked) {
-    const __m512i lim = _mm512_loadu_si512(limits);
-    const __m512i low = lows != nullptr ? _mm512_loadu_si512(lows) : _mm512_setzero_si512();
-    for (int t = 0; t < kLanes; ++t) {
-      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
-      __mmask16 ok = t < nk ? _mm512_cmpgt_epi32_mask(lim, key) : static_cast<__mmask16>(0);
-      if (lows != nullptr) ok &= _mm512_cmple_epi32_mask(low, key);
-      s[t] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegBig), s[t]);
-    }
-  }
-  __m512 bmax = s[0];
-  for (int t = 1; t < kLanes; ++t) bmax = _mm512_max_ps(bmax, s[t]);
-  const __m512 mold = _mm512_loadu_ps(m);
-  const __m512 mnew = _mm512_max_ps(mold, bmax);
-  const __m512 corr = exp_lanes(_mm512_sub_ps(mold, mnew));
-  __m512 sum = _mm512_setzero_ps();
+  if (masked) mask_scores(s, nk, key0, limits, lows);
+  VecF bmax = s[0];
+  for (int t = 1; t < kLanes; ++t) bmax = vmax(bmax, s[t]);
+  const VecF mold = vload(m);
+  const VecF mnew = vmax(mold, bmax);
+  const VecF corr = exp_lanes(vsub(mold, mnew));
+  VecF sum = vzero();
   for (int t = 0; t < kLanes; ++t) {
-    s[t] = exp_lanes(_mm512_sub_ps(s[t], mnew));
-    sum = _mm512_add_ps(sum, s[t]);
+    s[t] = exp_lanes(vsub(s[t], mnew));
+    sum = vadd(sum, s[t]);
   }
-  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), corr, sum));
-  _mm512_storeu_ps(m, mnew);
+  vstore(l, vfma(vload(l), corr, sum));
+  vstore(m, mnew);
   for (int d0 = 0; d0 < kD; d0 += 8) {
-    __m512 o[8];
-    for (int j = 0; j < 8; ++j) o[j] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + j) * kLanes), corr);
+    VecF o[8];
+    for (int j = 0; j < 8; ++j) o[j] = vmul(vload(ot + (d0 + j) * kLanes), corr);
     for (int64_t t = 0; t < nk; ++t) {
       const float* vr = v + t * vstride + d0;
-      for (int j = 0; j < 8; ++j) o[j] = _mm512_fmadd_ps(_mm512_set1_ps(vr[j]), s[t], o[j]);
+      for (int j = 0; j < 8; ++j) o[j] = vfma(vset(vr[j]), s[t], o[j]);
     }
-    for (int j = 0; j < 8; ++j) _mm512_storeu_ps(ot + (d0 + j) * kLanes, o[j]);
+    for (int j = 0; j < 8; ++j) vstore(ot + (d0 + j) * kLanes, o[j]);
   }
 }
 #endif
@@ -331,7 +397,7 @@ inline void lanes_keys(const float* k, int64_t kstride, const float* v, int64_t 
 // Whether an item's rows run in lanes (compile-time head_dim, a multiple of 8; blocks of whole 16-key chunks).
 template <int kD>
 constexpr bool kLanesBuilt =
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2_LANES)
     kD > 0 && kD % 8 == 0;
 #else
     false;
@@ -455,7 +521,7 @@ void run_item(const Item& it, const float* q, const T* kv, const Bf16* kv_scales
       }
       const float* krows = nullptr;  // [n, D] rows `kstride` apart, when not transposed
       int64_t kstride = D;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2_LANES)
       if (lanes) {
         if constexpr (kQuantized) {
           widen_rows<kD>(kraw, sbase ? sbase + h : nullptr, n, D, g.slot_stride, g.scale_slot_stride, kb);
@@ -895,15 +961,22 @@ struct Codes<c10::Float8_e4m3fn> {
   static c10::Float8_e4m3fn put(float y) { return c10::Float8_e4m3fn(std::min(std::max(y, -kMax), kMax)); }
 };
 
-// The row operations of the write, int8 in AVX-512 (IEEE division, round-half-even, clamp: the scalar rule's
-// results exactly), the rest through Codes<T>.
+// The row operations of the write, int8 in AVX-512 or AVX2 vectors (IEEE division, round-half-even, clamp: the
+// scalar rule's results exactly), the rest through Codes<T>.
 inline float row_amax(const float* x, int64_t D) {
   float amax = 0.0f;
   int64_t d = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
   __m512 m = _mm512_setzero_ps();
   for (; d + 16 <= D; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
   amax = _mm512_reduce_max_ps(m);
+#elif defined(KVSERVE_AVX2_LANES)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  for (; d + 8 <= D; d += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + d), magnitude));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
 #endif
   for (; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
   return amax;
@@ -915,15 +988,28 @@ inline void put_int8_lanes(__m512 y, int8_t* out) {
   y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(y)));
 }
+#elif defined(KVSERVE_AVX2_LANES)
+inline void put_int8_lanes(__m256 y, int8_t* out) {
+  y = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+  const __m256i c = _mm256_cvtps_epi32(y);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(w, w));
+}
 #endif
 
 template <typename T>
 void encode_row(const float* x, float scale, T* out, int64_t D) {
   int64_t d = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
   if constexpr (std::is_same<T, int8_t>::value) {
     const __m512 s = _mm512_set1_ps(scale);
     for (; d + 16 <= D; d += 16) put_int8_lanes(_mm512_div_ps(_mm512_loadu_ps(x + d), s), out + d);
+  }
+#elif defined(KVSERVE_AVX2_LANES)
+  if constexpr (std::is_same<T, int8_t>::value) {
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; d + 8 <= D; d += 8) put_int8_lanes(_mm256_div_ps(_mm256_loadu_ps(x + d), s), out + d);
   }
 #endif
   for (; d < D; ++d) out[d] = Codes<T>::put(x[d] / scale);
@@ -932,12 +1018,20 @@ void encode_row(const float* x, float scale, T* out, int64_t D) {
 template <typename T>
 void rescale_row(T* codes, float ratio, int64_t D) {
   int64_t d = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
   if constexpr (std::is_same<T, int8_t>::value) {
     const __m512 r = _mm512_set1_ps(ratio);
     for (; d + 16 <= D; d += 16) {
       const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d));
       put_int8_lanes(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), r), codes + d);
+    }
+  }
+#elif defined(KVSERVE_AVX2_LANES)
+  if constexpr (std::is_same<T, int8_t>::value) {
+    const __m256 r = _mm256_set1_ps(ratio);
+    for (; d + 8 <= D; d += 8) {
+      const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + d));
+      put_int8_lanes(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), r), codes + d);
     }
   }
 #endif
@@ -1025,13 +1119,13 @@ void write_kv_quantized_(torch::Tensor values, torch::Tensor scales, torch::Tens
 }
 #pragma GCC pop_options
 
-#ifdef __AVX512F__
-// One block of n (16..256, a power of two) floats: the butterflies between lanes 1, 2, 4 and 8 apart within each
-// vector (lane i takes x[i ^ L] + (+-1) x[i]: a permute and an exact multiply-add), then between whole vectors.
-inline void hadamard_lanes(const float* in, float* out, int64_t n, float norm) {
-  __m512 v[16];
-  const int64_t nv = n / 16;
-  for (int64_t i = 0; i < nv; ++i) v[i] = _mm512_loadu_ps(in + 16 * i);
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2_LANES)
+constexpr int64_t kWidth = sizeof(VecF) / sizeof(float);
+
+// Each vector's butterflies between lanes 1, 2, 4 (and 8) apart: lane i takes x[i ^ L] + (+-1) x[i], a permute
+// and an exact multiply-add.
+inline void butterflies_in_vector(VecF* v, int64_t nv) {
+#if defined(__AVX512F__)
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int L = 1; L < 16; L <<= 1) {
     const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(L));
@@ -1039,17 +1133,35 @@ inline void hadamard_lanes(const float* in, float* out, int64_t n, float norm) {
     const __m512 sign = _mm512_mask_blend_ps(high, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
     for (int64_t i = 0; i < nv; ++i) v[i] = _mm512_fmadd_ps(v[i], sign, _mm512_permutexvar_ps(partner, v[i]));
   }
+#else
+  const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1), s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1),
+               s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+  for (int64_t i = 0; i < nv; ++i) {
+    __m256 x = _mm256_fmadd_ps(v[i], s1, _mm256_permute_ps(v[i], 0xB1));  // partner lanes 1 0 3 2
+    x = _mm256_fmadd_ps(x, s2, _mm256_permute_ps(x, 0x4E));               // 2 3 0 1
+    v[i] = _mm256_fmadd_ps(x, s4, _mm256_permute2f128_ps(x, x, 1));      // the other 128-bit half
+  }
+#endif
+}
+
+// One block of n (kWidth..256, a power of two) floats: the butterflies within each vector, then between whole
+// vectors.
+inline void hadamard_lanes(const float* in, float* out, int64_t n, float norm) {
+  VecF v[256 / kWidth];
+  const int64_t nv = n / kWidth;
+  for (int64_t i = 0; i < nv; ++i) v[i] = vload(in + kWidth * i);
+  butterflies_in_vector(v, nv);
   for (int64_t L = 1; L < nv; L <<= 1) {
     for (int64_t i = 0; i < nv; i += 2 * L) {
       for (int64_t j = i; j < i + L; ++j) {
-        const __m512 a = v[j], c = v[j + L];
-        v[j] = _mm512_add_ps(a, c);
-        v[j + L] = _mm512_sub_ps(a, c);
+        const VecF a = v[j], c = v[j + L];
+        v[j] = vadd(a, c);
+        v[j + L] = vsub(a, c);
       }
     }
   }
-  const __m512 s = _mm512_set1_ps(norm);
-  for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(v[i], s));
+  const VecF s = vset(norm);
+  for (int64_t i = 0; i < nv; ++i) vstore(out + kWidth * i, vmul(v[i], s));
 }
 #endif
 
@@ -1071,8 +1183,8 @@ torch::Tensor hadamard(torch::Tensor x) {
     for (int64_t h = 0; h < H; ++h) {
       float* y = dst + (t * H + h) * D;
       const float* in = src + t * s0 + h * D;
-#ifdef __AVX512F__
-      if (n >= 16 && n <= 256) {
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2_LANES)
+      if (n >= kWidth && n <= 256) {
         for (int64_t b0 = 0; b0 < D; b0 += n) hadamard_lanes(in + b0, y + b0, n, norm);
         continue;
       }
