@@ -209,9 +209,10 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: to
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-BF16_WIDEN_DENSE_ROWS = 112
+BF16_WIDEN_DENSE_ROWS = 256
 """Input rows from which bf16_linear widens the whole bfloat16 weight to float32 (into a DenseScratch) for one
-oneDNN float32 GEMM, where its layer's shape does not fit the tiles (bench.py --bf16 measures both sides)."""
+oneDNN float32 GEMM, where its layer's shape does not fit the tiles: the kernel's panels against bench.py's
+`bf16 upcast` row, under the AVX2 build, won at 128 rows and lost at 512."""
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
