@@ -1,20 +1,21 @@
-"""The weight-only matmuls for float32 activations (and bfloat16 weights multiplied in float32: bf16_linear): the C++ kernels (csrc/quant_linear.cpp) when they build,
-else PyTorch (dequantize the whole weight, then F.linear: correct, slower). Both compute a matmul on the
-dequantized weight, so the two differ only by summation order, except with `fixed_point` (the methods pass
-envs.quant_fixed_point(), on unless KVSERVE_QUANT_FIXED_POINT=0) at one or two input rows (`fixed_point_rows()`, single-stream
-decode): there the C++ kernel rounds each run of 32 input columns to 16-bit fixed point with its own scale
-(error <= 2^-16 of the run's largest |x|, 128x finer than bfloat16), which lets it multiply-add weights as
-integers: 1.6x the float kernel's rate per core for int8.
+"""The weight-only matmuls for float32 activations (and bfloat16 weights multiplied in float32: bf16_linear):
+the C++ kernels (csrc/quant_linear.cpp) when they build, else PyTorch (dequantize the whole weight, then
+F.linear: correct, slower). Both compute a matmul on the dequantized weight, so the two differ only by
+summation order, except with `fixed_point` (the methods pass envs.quant_fixed_point(), on unless
+KVSERVE_QUANT_FIXED_POINT=0) at up to `fixed_point_rows()` input rows (two with AVX-512, four with AVX2:
+single-stream decode): there the C++ kernel rounds each run of 32 input columns to 16-bit fixed point with
+its own scale (error <= 2^-16 of the run's largest |x|, 128x finer than bfloat16), which lets it
+multiply-add weights as integers: 1.6x the float kernel's rate per core for int8 with AVX-512.
 
 The C++ kernel reads only the quantized bytes: for decode sizes it dequantizes in registers for up to 8 rows
-at a time, for batches into L2-sized tiles (or panels, for a layer whose output rows are not whole tiles of
-64) multiplied by oneDNN's GEMM micro-kernel. The tiles take any number of float32 rows; elsewhere, from
-`DENSE_ROWS` on (and from BF16_DENSE_ROWS for bfloat16 activations), the weight is dequantized into a float32
-matrix and handed to oneDNN (MKL's F.linear where oneDNN is absent), which costs a write and a re-read of the
-whole weight and oneDNN's reorder of it per call.
+(AVX2: 4) at a time, for batches into L2-sized tiles (or panels, for a layer whose output rows are not whole
+tiles of 64) multiplied by oneDNN's GEMM micro-kernel. The tiles take any number of float32 rows; elsewhere,
+from `DENSE_ROWS` on (and from BF16_DENSE_ROWS for bfloat16 activations where the CPU multiplies bfloat16
+natively), the weight is dequantized into a float32 matrix and handed to oneDNN (MKL's F.linear where oneDNN
+is absent), which costs a write and a re-read of the whole weight and oneDNN's reorder of it per call.
 
-The kernels are built for the instruction set utils/cpu_isa.py selects (AVX-512, AVX2 + FMA, or scalar: `isa()`),
-read once per process: a test that forces another one with KVSERVE_CPU_ISA clears `_module`'s cache.
+The kernels are built for the instruction set utils/cpu_isa.py selects (AVX-512, AVX2 + FMA, or scalar:
+`isa()`), read once per process: a test that forces another one with KVSERVE_CPU_ISA clears `_module`'s cache.
 """
 from __future__ import annotations
 
@@ -116,7 +117,17 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def _emulated_bf16(x: torch.Tensor) -> bool:
+    """bfloat16 rows on a CPU whose bfloat16 matmul PyTorch emulates (no AVX512_BF16 / AMX): they take the
+    float32 paths, the result rounded back to bfloat16."""
+    from kvserve.utils import cpu_features
+
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_features.native_bf16()
+
+
 def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if _emulated_bf16(x):
+        return _dense(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
     w = w.to(x.dtype)
     if x.device.type == "cpu" and x.dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         # NOTE: oneDNN on a plain (not prepacked) weight reorders it per call and still beats MKL's sgemm
@@ -156,10 +167,11 @@ def tiles_fit(n_out: int, k: int) -> bool:
 def _kernel_takes(m, x2: torch.Tensor, n_out: int) -> bool:
     """Whether the C++ kernel runs these rows: on the CPU, float32 rows below DENSE_ROWS or any number where
     the tiles fit, bfloat16 ones below BF16_DENSE_ROWS (--dtype bfloat16: the few rows go through it in
-    float32; prefill-sized bfloat16 rows take the dense bfloat16 matmul)."""
+    float32; prefill-sized bfloat16 rows take the dense bfloat16 matmul) unless that matmul is emulated here:
+    then as float32 rows."""
     if m is None or x2.device.type != "cpu":
         return False
-    if x2.dtype == torch.float32:
+    if x2.dtype == torch.float32 or _emulated_bf16(x2):
         return x2.shape[0] < DENSE_ROWS or tiles_fit(n_out, x2.shape[1])
     return x2.dtype == torch.bfloat16 and x2.shape[0] < BF16_DENSE_ROWS
 
