@@ -80,8 +80,10 @@ def resolve_dtype(name: str, device: torch.device, stored: torch.dtype | None = 
     dtype = _DTYPES[name]
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_features.native_bf16():
         # A documented fallback, not an error: results are right, and the cache and weights half the size.
-        logger.warning("--dtype bfloat16 on a CPU without AVX512_BF16 or AMX: its matmuls run through PyTorch's "
-                       "emulated bf16 path, many times slower than float32; --dtype float32 is faster here")
+        logger.warning("--dtype bfloat16 on a CPU without AVX512_BF16 or AMX: the linear layers keep bf16 weights "
+                       "and multiply them in float32 (layers/quant/bf16.py); the KV cache is bf16, widened to "
+                       "float32 in the attention kernels; the other ops run PyTorch's bf16 code. --dtype float32 "
+                       "avoids its roundings")
     return dtype
 
 

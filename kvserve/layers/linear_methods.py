@@ -59,9 +59,13 @@ class OneDNNPackedMethod:
 
 
 def default_method(device: torch.device, dtype: torch.dtype) -> LinearMethod:
-    """The fastest method that is exact for this device and dtype."""
+    """The fastest method that is exact for this device and dtype. bf16 on a CPU without native bf16 keeps its
+    weights in bf16 and multiplies them in fp32 (layers/quant/bf16.py): PyTorch's bf16 matmul there is emulated."""
     from kvserve.utils import cpu_features
 
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_features.native_bf16():
+        from kvserve.layers.quant.bf16 import Bf16WidenMethod
+        return Bf16WidenMethod()
     if device.type != "cpu" or not OneDNNPackedMethod.available():
         return DenseMethod()
     if dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_features.native_bf16()):

@@ -1,7 +1,8 @@
 """--dtype bfloat16 on the CPU: logits against transformers (ours no further from the float32 model than
 transformers' own bf16 is) in a mixed batch of fresh prefills, chunks over cached context and decodes, the engine
 through chunked prefill, a prefix hit and preemption with invariants after every step, and what happens on a CPU
-without native bf16 (monkeypatched capability check). (The kernels: tests/unit/test_bf16_kernels.py.)"""
+without native bf16 (monkeypatched capability check): bf16 weights multiplied in float32 by the quantized-linear
+kernel's AVX2 build, the logits again against transformers' bf16 model. (The kernels: tests/unit/test_bf16_kernels.py.)"""
 from __future__ import annotations
 
 import copy
@@ -14,10 +15,13 @@ from kvserve.config import EngineArgs
 from kvserve.config.model import resolve_dtype
 from kvserve.engine.engine import Engine
 from kvserve.layers.linear_methods import DenseMethod, OneDNNPackedMethod, default_method
+from kvserve.layers.quant import kernels
+from kvserve.layers.quant.bf16 import Bf16WidenMethod
 from kvserve.sampling_params import SamplingParams
-from kvserve.utils import cpu_features
+from kvserve.utils import cpu_features, cpu_isa
 from tests.helpers.engine import ATTENTION_BACKENDS, run_last_after_prefix
 from tests.helpers.oracles import hf_logits, mixed_batch, paged_logits
+from tests.helpers.quant import quant_kernels_for
 
 CPU = torch.device("cpu")
 needs_bf16 = pytest.mark.skipif(not cpu_features.native_bf16(), reason="this CPU has no AVX512_BF16 / AMX")
@@ -86,19 +90,63 @@ def test_engine_bf16_greedy_follows_transformers_bf16(tiny_llama, blocks):
 # --------------------------------------------------------------------------- CPUs without native bf16
 
 
-def test_bf16_without_native_support_warns_and_falls_back(monkeypatch, caplog):
+def test_bf16_without_native_support_warns_and_keeps_bf16_weights(monkeypatch, caplog):
     monkeypatch.setattr(cpu_features, "native_bf16", lambda: False)
     with caplog.at_level(logging.WARNING, logger="kvserve.config.model"):
         assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
-    assert "without AVX512_BF16" in caplog.text and "--dtype float32" in caplog.text
+    assert "without AVX512_BF16" in caplog.text and "multiply them in float32" in caplog.text
+    assert "--dtype float32" in caplog.text
     assert resolve_dtype("auto", CPU) == torch.float32
     assert resolve_dtype("auto", CPU, torch.bfloat16) == torch.float32  # no native bf16: fp32 is faster
-    assert isinstance(default_method(CPU, torch.bfloat16), DenseMethod)   # oneDNN has no bf16 kernel there
+    # oneDNN has no bf16 kernel there: bf16 weights, float32 products (ours)
+    assert isinstance(default_method(CPU, torch.bfloat16), Bf16WidenMethod)
+    assert isinstance(default_method(torch.device("meta"), torch.bfloat16), DenseMethod)
     assert isinstance(default_method(CPU, torch.float32), (OneDNNPackedMethod, DenseMethod))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvserve.config.model"):
         assert resolve_dtype("float32", CPU) == torch.float32
     assert not caplog.text
+
+
+def test_bf16_model_without_native_bf16_follows_transformers_bf16(tiny_checkpoint, monkeypatch):
+    """No native bf16 and the AVX2 kernels (the scalar ones on a CPU without AVX2): every linear layer and the LM
+    head run Bf16WidenMethod on their bf16 weights, and a mixed batch's logits (fresh prefills, chunks, decodes)
+    are within a few bf16 steps of transformers' bf16 model, as the native path's are."""
+    monkeypatch.setattr(cpu_features, "native_bf16", lambda: False)
+    isa = "avx2" if "avx2" in cpu_isa.supported_isas() else "scalar"
+    module = quant_kernels_for(isa, monkeypatch)
+    if module is None:
+        pytest.skip("the quantized-linear C++ extension does not build here")
+    calls = []
+    monkeypatch.setattr(kernels, "_module", lambda: _Recording(module, calls))
+    try:
+        path, hf = tiny_checkpoint("llama")
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+        engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=64, dtype="bfloat16"))
+        model = engine.core.executor.worker.runner.model
+        for layer in (model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj, model.lm_head):
+            assert isinstance(layer.method, Bf16WidenMethod) and layer.weight.dtype == torch.bfloat16
+        batch = mixed_batch(seed=5)
+        for (tokens, ctx, q), got in zip(batch, paged_logits(engine, batch)):
+            ref_bf16 = hf_logits(hf_bf16, tokens[:ctx + q])[ctx:ctx + q]
+            torch.testing.assert_close(got, ref_bf16, atol=0.1, rtol=0)
+        assert calls and module.isa() == isa
+        engine.scheduler.check_invariants()
+        assert engine.block_pool.counts()["in_use"] == 0
+    finally:
+        kernels.tiles_fit.cache_clear()
+
+
+class _Recording:
+    """The kernel module, counting its bf16_linear calls (the model's matmuls reach the C++ kernel)."""
+
+    def __init__(self, module, calls: list):
+        self._module, self._calls = module, calls
+
+    def __getattr__(self, name: str):
+        if name == "bf16_linear":
+            self._calls.append(name)
+        return getattr(self._module, name)
 
 
 def test_bf16_with_native_support_uses_onednn(monkeypatch, caplog):

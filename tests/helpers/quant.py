@@ -46,3 +46,20 @@ def dequantized_copy(hf_model, method_factory, head: bool = True, expert_group: 
             model.config.tie_word_embeddings = False
             model.lm_head.weight = torch.nn.Parameter(method.dequantized_weight(layer))
     return model
+
+
+def quant_kernels_for(isa: str, monkeypatch):
+    """The quantized-linear C++ module built for `isa` (KVSERVE_CPU_ISA's variant), installed as
+    kvserve.layers.quant.kernels' module for the rest of the test (None: it does not build here). Only this one
+    kernel changes variant: the other kernels a test loads stay the selected ISA's builds. The shape cache that
+    depends on the module is cleared now; callers clear it again when the test ends (`kernels.tiles_fit`)."""
+    from kvserve.layers.quant import kernels
+
+    with monkeypatch.context() as env:
+        env.setenv("KVSERVE_CPU_ISA", isa)
+        kernels._module.cache_clear()
+        module = kernels._module()
+    kernels._module.cache_clear()
+    monkeypatch.setattr(kernels, "_module", lambda: module)
+    kernels.tiles_fit.cache_clear()
+    return module

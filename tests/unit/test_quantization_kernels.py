@@ -186,6 +186,26 @@ def test_bfloat16_activations_run_the_quantized_matmul(name, rows, kernel_path):
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("name", ["int8 g32", "int4 g32"])
+def test_bfloat16_rows_without_native_bf16_stay_in_float32(name, kernel_path, monkeypatch):
+    """No native bf16 (PyTorch's bf16 matmul emulated): prefill-sized bf16 rows of a quantized layer take the
+    float32 kernel where its tiles fit, and the dense path multiplies in float32 where they do not."""
+    from kvserve.utils import cpu_features
+
+    monkeypatch.setattr(cpu_features, "native_bf16", lambda: False)
+    _, method, _ = next(m for m in _methods() if m[0] == name)
+    torch.manual_seed(8)
+    for n in (192, 160):
+        layer = linear_layer(torch.randn(n, 256) * 0.05, method, None)
+        x = torch.randn(kernels.DENSE_ROWS + 3, 256).bfloat16()
+        m = kernels._module()
+        assert kernels._kernel_takes(m, x, n) == (m is not None and kernels.tiles_fit(n, 256))
+        y = layer(x)
+        assert y.dtype == torch.bfloat16
+        ref = F.linear(x.float(), method.dequantized_weight(layer))
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -8, atol=1e-5)  # one rounding to bf16
+
+
 @pytest.mark.parametrize("k", [256, 224])  # 224: an odd number of runs of 32 (the kernel pairs them)
 def test_fixed_point_rows_are_within_their_rounding_bound(k, kernel_path, monkeypatch):
     """KVSERVE_QUANT_FIXED_POINT=1's only departure from float32: each input run of 32 columns rounded to 2^-16

@@ -6,7 +6,12 @@ a whole model's decode, not from cache. NOTE: the default 6 copies hold ~21 MB o
 a 32 MB L3 keeps: for the quantized rows' memory-bound case (1-2 rows) pass `--layers 30`, SmolLM2's count, as
 the in-model figures do. Rows: the fp32 oneDNN method (the default); our int8 / int4 / GGUF
 Q8_0 methods (kernels.py); PyTorch's own weight-only kernels with float32 and with bfloat16 activations;
-and F.linear on a bfloat16 copy of the weight (bfloat16 activations too). It also prints how far GGUF
+and F.linear on a bfloat16 copy of the weight (bfloat16 activations too); our bfloat16-weight method (float32
+compute, for CPUs without native bfloat16) through its kernel and widened whole for oneDNN (`bf16 upcast`); and
+the int8 g32 kernel with one of its paths turned off (`float rows`: no fixed point at 1-2 rows; `panels`: no
+register kernel; `no tiles`), which is how the row thresholds in csrc/quant_linear.cpp are chosen for each
+instruction set (KVSERVE_CPU_ISA=avx2 runs the AVX2 build; ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN's float32
+rows an AVX2 machine's too). It also prints how far GGUF
 Q8_0 blocks move when rescaled to one scale per output channel (the lossy way onto `_weight_int8pack_mm`).
 Figures go to docs and commit messages, not code comments.
 """
@@ -22,6 +27,7 @@ from torch import nn
 
 from kvserve.layers.linear_methods import OneDNNPackedMethod
 from kvserve.layers.quant import kernels
+from kvserve.layers.quant.bf16 import Bf16WidenMethod
 from kvserve.layers.quant.gguf import GGUFMethod
 from kvserve.layers.quant.int4 import Int4WeightOnlyMethod, quantize_int4
 from kvserve.layers.quant.int8 import Int8WeightOnlyMethod, quantize_int8
@@ -63,6 +69,23 @@ def _q8_0(w: torch.Tensor):
     return _layer(w, GGUFMethod(OneDNNPackedMethod()), GGUFWeight(blocks, gguf.GGMLQuantizationType.Q8_0, w.shape))
 
 
+def _int8_raw(w: torch.Tensor, **paths):
+    """The int8 g32 C++ kernel called directly, with the given paths (fixed, small, tiles) turned off."""
+    q, s = quantize_int8(w, 32)
+    m = kernels._module()
+    return lambda x: m.int8_linear(x, q, s, 32, **{"fixed": True, "small": True, "tiles": True, **paths})
+
+
+def _bf16_widen(w: torch.Tensor):
+    return _layer(w.bfloat16().float(), Bf16WidenMethod()).to(torch.bfloat16)
+
+
+def _bf16_upcast(w: torch.Tensor):
+    """bf16_linear's dense path at every size: the weight widened whole into a scratch buffer, oneDNN float32."""
+    wb, scratch = w.bfloat16(), kernels.DenseScratch()
+    return lambda x: kernels._dense_chunked(x, wb.shape[0], lambda a, b, out: out.copy_(wb[a:b]), None, scratch)
+
+
 def _int8_whole_copy(w: torch.Tensor):
     """The dense path as it was: the whole weight dequantized into a new float32 tensor per call."""
     method = Int8WeightOnlyMethod()
@@ -85,6 +108,11 @@ KERNELS = {
     "int4 g32 (ours)": lambda w: _layer(w, Int4WeightOnlyMethod(32)),
     "int4 g64 (ours)": lambda w: _layer(w, Int4WeightOnlyMethod(64)),
     "gguf q8_0 (ours)": _q8_0,
+    "int8 g32 float rows": lambda w: _int8_raw(w, fixed=False),
+    "int8 g32 panels": lambda w: _int8_raw(w, small=False, fixed=False),
+    "int8 g32 no tiles": lambda w: _int8_raw(w, tiles=False),
+    "bf16 widen (ours)": _bf16_widen,
+    "bf16 upcast": _bf16_upcast,
     "torch int8 f32": lambda w: _torch_int8(w, torch.float32),
     "torch int8 bf16": lambda w: _torch_int8(w, torch.bfloat16),
     "torch int4 f32": lambda w: _torch_int4(w, torch.float32),
@@ -127,7 +155,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = [[torch.randn(n, k) * 0.02 for n, k in shapes] for _ in range(args.layers)]
-    print(f"C++ quantized kernels: {'built' if kernels.available() else 'unavailable (PyTorch fallback)'}; "
+    print(f"C++ quantized kernels: {kernels.isa() or 'unavailable (PyTorch fallback)'}; "
           f"threads {args.threads}; {args.layers} layers cycled")
     print(f"GGUF Q8_0 rescaled to per-channel int8: relative weight error "
           f"{max(_q8_0_per_channel_error(w) for w in weights[0]):.2e}")

@@ -1,17 +1,21 @@
-"""The weight-only matmuls for float32 activations: the C++ kernels (csrc/quant_linear.cpp) when they build,
-else PyTorch (dequantize the whole weight, then F.linear: correct, slower). Both compute a matmul on the
-dequantized weight, so the two differ only by summation order, except with `fixed_point` (the methods pass
-envs.quant_fixed_point(), on unless KVSERVE_QUANT_FIXED_POINT=0) at one or two input rows (`fixed_point_rows()`, single-stream
-decode): there the C++ kernel rounds each run of 32 input columns to 16-bit fixed point with its own scale
-(error <= 2^-16 of the run's largest |x|, 128x finer than bfloat16), which lets it multiply-add weights as
-integers: 1.6x the float kernel's rate per core for int8.
+"""The weight-only matmuls for float32 activations (and bfloat16 weights multiplied in float32: bf16_linear):
+the C++ kernels (csrc/quant_linear.cpp) when they build, else PyTorch (dequantize the whole weight, then
+F.linear: correct, slower). Both compute a matmul on the dequantized weight, so the two differ only by
+summation order, except with `fixed_point` (the methods pass envs.quant_fixed_point(), on unless
+KVSERVE_QUANT_FIXED_POINT=0) at up to `fixed_point_rows()` input rows (two with AVX-512, four with AVX2:
+single-stream decode): there the C++ kernel rounds each run of 32 input columns to 16-bit fixed point with
+its own scale (error <= 2^-16 of the run's largest |x|, 128x finer than bfloat16), which lets it
+multiply-add weights as integers: 1.6x the float kernel's rate per core for int8 with AVX-512.
 
 The C++ kernel reads only the quantized bytes: for decode sizes it dequantizes in registers for up to 8 rows
-at a time, for batches into L2-sized tiles (or panels, for a layer whose output rows are not whole tiles of
-64) multiplied by oneDNN's GEMM micro-kernel. The tiles take any number of float32 rows; elsewhere, from
-`DENSE_ROWS` on (and from BF16_DENSE_ROWS for bfloat16 activations), the weight is dequantized into a float32
-matrix and handed to oneDNN (MKL's F.linear where oneDNN is absent), which costs a write and a re-read of the
-whole weight and oneDNN's reorder of it per call.
+(AVX2: 4) at a time, for batches into L2-sized tiles (or panels, for a layer whose output rows are not whole
+tiles of 64) multiplied by oneDNN's GEMM micro-kernel. The tiles take any number of float32 rows; elsewhere,
+from `DENSE_ROWS` on (and from BF16_DENSE_ROWS for bfloat16 activations where the CPU multiplies bfloat16
+natively), the weight is dequantized into a float32 matrix and handed to oneDNN (MKL's F.linear where oneDNN
+is absent), which costs a write and a re-read of the whole weight and oneDNN's reorder of it per call.
+
+The kernels are built for the instruction set utils/cpu_isa.py selects (AVX-512, AVX2 + FMA, or scalar:
+`isa()`), read once per process: a test that forces another one with KVSERVE_CPU_ISA clears `_module`'s cache.
 """
 from __future__ import annotations
 
@@ -66,6 +70,12 @@ def available() -> bool:
     return _module() is not None
 
 
+def isa() -> str | None:
+    """The instruction set the loaded kernels use (avx512 | avx2 | scalar; None: PyTorch fallback)."""
+    m = _module()
+    return None if m is None else m.isa()
+
+
 def fixed_point_rows() -> int:
     """Input rows up to which the C++ kernels round x to 16-bit fixed point when asked (0: they cannot)."""
     m = _module()
@@ -107,7 +117,17 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def _emulated_bf16(x: torch.Tensor) -> bool:
+    """bfloat16 rows on a CPU whose bfloat16 matmul PyTorch emulates (no AVX512_BF16 / AMX): they take the
+    float32 paths, the result rounded back to bfloat16."""
+    from kvserve.utils import cpu_features
+
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_features.native_bf16()
+
+
 def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if _emulated_bf16(x):
+        return _dense(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
     w = w.to(x.dtype)
     if x.device.type == "cpu" and x.dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         # NOTE: oneDNN on a plain (not prepacked) weight reorders it per call and still beats MKL's sgemm
@@ -138,7 +158,7 @@ def _dense_chunked(x2: torch.Tensor, n_out: int, dequantize, bias: torch.Tensor 
 
 @functools.lru_cache(maxsize=None)
 def tiles_fit(n_out: int, k: int) -> bool:
-    """Whether the C++ kernel's tiles take a [n_out, k] weight at any number of float32 rows (AVX-512, whole
+    """Whether the C++ kernel's tiles take a [n_out, k] weight at any number of float32 rows (AVX-512 or AVX2, whole
     tiles of output rows, K in vectors): then it runs prefill sizes too, level with prepacked float32."""
     m = _module()
     return m is not None and m.tile_rows() > 0 and n_out % m.tile_block() == 0 and k % 16 == 0
@@ -147,10 +167,11 @@ def tiles_fit(n_out: int, k: int) -> bool:
 def _kernel_takes(m, x2: torch.Tensor, n_out: int) -> bool:
     """Whether the C++ kernel runs these rows: on the CPU, float32 rows below DENSE_ROWS or any number where
     the tiles fit, bfloat16 ones below BF16_DENSE_ROWS (--dtype bfloat16: the few rows go through it in
-    float32; prefill-sized bfloat16 rows take the dense bfloat16 matmul)."""
+    float32; prefill-sized bfloat16 rows take the dense bfloat16 matmul) unless that matmul is emulated here:
+    then as float32 rows."""
     if m is None or x2.device.type != "cpu":
         return False
-    if x2.dtype == torch.float32:
+    if x2.dtype == torch.float32 or _emulated_bf16(x2):
         return x2.shape[0] < DENSE_ROWS or tiles_fit(n_out, x2.shape[1])
     return x2.dtype == torch.bfloat16 and x2.shape[0] < BF16_DENSE_ROWS
 
@@ -198,3 +219,30 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: to
         y = m.int4_linear(x2.float(), q, scales, mins, group, fixed=fixed_point).to(x2.dtype)
         y = y if bias is None else y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+BF16_WIDEN_DENSE_ROWS = 256
+"""Input rows from which bf16_linear widens the whole bfloat16 weight to float32 (into a DenseScratch) for one
+oneDNN float32 GEMM, where its layer's shape does not fit the tiles: the kernel's panels against bench.py's
+`bf16 upcast` row, under the AVX2 build, won at 128 rows and lost at 512."""
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                scratch: DenseScratch | None = None) -> torch.Tensor:
+    """x [..., K] bfloat16 or float32, w [N, K] bfloat16 -> [..., N] in x's dtype, computed in float32 (exact
+    products, float32 sums, one rounding of the result to x's dtype): a CPU without native bfloat16 keeps
+    the half-size weights without PyTorch's emulated bfloat16 matmul. The C++ kernel widens the weight in
+    registers (decode sizes) or per panel / tile; prefill sizes whose layer the tiles do not fit widen it
+    whole for oneDNN's float32 GEMM."""
+    m = _module()
+    x2 = _rows(x).float()
+    n_out, k = w.shape
+    kernel = m is not None and x2.is_cpu and w.dtype == torch.bfloat16 and w.is_contiguous() and k % 32 == 0 \
+        and (x2.shape[0] < BF16_WIDEN_DENSE_ROWS or tiles_fit(n_out, k))
+    if kernel:
+        y = m.bf16_linear(x2, w)
+        y = y if bias is None else y + bias
+    else:
+        y = _dense_chunked(x2, n_out, lambda a, b, out: w[a:b].float() if out is None else out.copy_(w[a:b]),
+                           None if bias is None else bias.float(), scratch)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
