@@ -24,18 +24,12 @@ def native_bf16() -> bool:
 def _cpu_bf16() -> bool:
     import torch
 
-    from kvserve.utils.cpu_isa import selected_isa
-
-    if selected_isa() != "avx512":  # KVSERVE_CPU_ISA=avx2|scalar stands for a CPU without AVX-512, so without these
-        return False
-
     # NOTE: torch.backends.cpu.get_cpu_capability() says "AVX512" with or without the bf16 extension, so it
     # cannot tell; torch.cpu's private probes can, and /proc/cpuinfo where they are missing.
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     if all(probe is not None for probe in probes):
         return any(probe() for probe in probes)
     return bool(cpu_flags() & set(_BF16_FLAGS))
-
 
 
 def isa_info() -> dict:
