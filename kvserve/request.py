@@ -65,6 +65,8 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     """Why the request failed (status FINISHED_ERROR)."""
+    kv_transfer_params: dict | None = None
+    """What the KV connector's request_finished returned for the response (network connectors' seam)."""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     structured_output: StructuredOutputRequest | None = None
     """Its grammar (compile, then matcher) when it asked for structured outputs."""
