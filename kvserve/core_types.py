@@ -77,6 +77,8 @@ class EngineCoreOutput:
     new_prompt_logprobs: PromptLogprobsChunk | None = None
     """prompt_logprobs: what this step's prompt chunk said about its prompt tokens (only the new ones; such an
     output may carry no token: a chunk short of the prompt's end)."""
+    kv_transfer_params: dict | None = None
+    """With a finish: what the KV connector's request_finished returned (e.g. where a peer reads its KV)."""
 
     @property
     def finished(self) -> bool:

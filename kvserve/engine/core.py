@@ -143,7 +143,7 @@ class EngineCore:
         return self.scheduler.finished_output(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+        return self.scheduler.num_unfinished > 0 or bool(self._aborted) or self.scheduler.has_held_blocks
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

@@ -58,6 +58,9 @@ class Scheduler:
         self.order = WaitingOrder(config.policy, kv_manager)
         self.worker_view = WorkerView()
         self._failed: list[Request] = []  # failed before they ran (a grammar that did not compile)
+        self.kv_held: dict[str, Request] = {}
+        """Finished requests whose blocks the KV connector still reads (request_finished's delay_free): freed when
+        the worker reports them in finished_sending."""
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request, wait_for: Request | None = None) -> None:
@@ -82,10 +85,13 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         req.metrics.finished_time = time.monotonic()
+        delay_free = False
         if self.connector is not None:
-            # NOTE: the local connectors never delay the free (delay_free is the network connectors' seam)
-            _, req.kv_transfer_params = self.connector.request_finished(req, self.kv.block_ids(request_id))
-        self.kv.free(req, finished=True)
+            delay_free, req.kv_transfer_params = self.connector.request_finished(req, self.kv.block_ids(request_id))
+        if delay_free:
+            self.kv_held[request_id] = req
+        else:
+            self.kv.free(req, finished=True)
         self.gates.wait_for.pop(request_id, None)
         self.order.forget(request_id)
         if self.spec_policy is not None:
@@ -97,6 +103,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def has_held_blocks(self) -> bool:
+        """Finished requests' blocks wait for the KV connector (the engine keeps stepping until it reports)."""
+        return bool(self.kv_held)
 
     @property
     def has_compiling_requests(self) -> bool:
@@ -240,6 +251,10 @@ class Scheduler:
         outputs = []
         kv_out = runner_out.kv_connector_output
         invalid = kv_out.invalid_block_ids if kv_out is not None else set()
+        for req_id in kv_out.finished_sending if kv_out is not None else ():
+            held = self.kv_held.pop(req_id, None)
+            if held is not None:
+                self.kv.free(held, finished=True)
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None:  # aborted between schedule and update
@@ -323,7 +338,7 @@ class Scheduler:
     # ---- invariants ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Block accounting (see KVCacheManager.check_invariants) plus queue membership."""
-        self.kv.check_invariants(self.requests)
+        self.kv.check_invariants(self.requests, held=self.kv_held)
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         assert len(ids) == len(set(ids)) == len(self.requests), "a request is queued twice or lost"
         for r in self.running:

@@ -200,3 +200,19 @@ def test_unsupported_combinations_fail_at_start_up(tiny_llama, tmp_path):
         Engine(EngineArgs(model=path, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}))
     with pytest.raises(ValueError, match="tensor-parallel-size"):
         Engine(EngineArgs(model=path, tensor_parallel_size=2, kv_transfer_config=storage_config(tmp_path)))
+
+
+def test_delay_free_holds_blocks_until_the_connector_reports_them_sent(tiny_llama):
+    path, _ = tiny_llama
+    engine = Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config={
+        "kv_connector": "DelayingConnector", "kv_role": "kv_producer", "engine_id": "prefill-0",
+        "kv_connector_module_path": "tests.helpers.kv_connectors"}))
+    engine.add_request("p", REQS[0][0], _greedy(1))
+    finished = []
+    while not finished:
+        finished = [o for o in engine.step() if o.finished]
+        engine.scheduler.check_invariants()
+    params = finished[0].kv_transfer_params
+    assert params["remote_engine_id"] == "prefill-0" and len(params["remote_block_ids"]) == 7
+    assert engine.block_pool.counts()["in_use"] == 7 and engine.has_unfinished_requests()
+    run_to_completion(engine)  # the worker reports them sent: every block free

@@ -78,3 +78,19 @@ class RecordingConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids):
         self.calls.append("get_finished")
         return None, None
+
+
+class DelayingConnector(KVConnectorBase_V1):
+    """A network connector's shape without the network: request_finished delays the free and returns where the
+    blocks are; the worker side reports each finished request as sent one step after it hears of it."""
+
+    def __init__(self, config, role, kv_spec=None):
+        super().__init__(config, role, kv_spec)
+        self._sending: set[str] = set()
+
+    def request_finished(self, request, block_ids):
+        return True, {"remote_block_ids": list(block_ids), "remote_engine_id": self.transfer.engine_id}
+
+    def get_finished(self, finished_req_ids):
+        done, self._sending = self._sending, set(finished_req_ids)
+        return done or None, None
