@@ -89,7 +89,8 @@ class DelayingConnector(KVConnectorBase_V1):
         self._sending: set[str] = set()
 
     def request_finished(self, request, block_ids):
-        return True, {"remote_block_ids": list(block_ids), "remote_engine_id": self.transfer.engine_id}
+        return True, {"remote_block_ids": list(block_ids), "remote_engine_id": self.transfer.engine_id,
+                      "asked": request.kv_transfer_params}
 
     def get_finished(self, finished_req_ids):
         done, self._sending = self._sending, set(finished_req_ids)
