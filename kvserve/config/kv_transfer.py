@@ -6,10 +6,10 @@ connector factory's business (kv_transfer/factory.py), checked when the engine b
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvserve.config.json_flag import json_object_fields
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -65,22 +65,9 @@ class KVTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
     @classmethod
-    def parse(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
-        """From the flag's JSON text, a dict (the Python API) or a config; None and "" are no connector."""
-        if value is None or isinstance(value, cls):
+    def parse(cls, value: str | dict | KVTransferConfig | None) -> KVTransferConfig | None:
+        """From the flag's JSON text, a dict (the Python API) or a config; None, "" and "none" are no connector."""
+        if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
-                             f"{', '.join(sorted(known))}")
-        return cls(**value)
+        value = json_object_fields(value, cls, "kv_transfer_config")
+        return None if value is None else cls(**value)

@@ -37,7 +37,7 @@ class KVConnectorMetadata:
     """What one step's scheduler-side connector tells its worker side (each connector subclasses it)."""
 
 
-class KVConnectorBase_V1:  # noqa: N801 (vLLM's name)
+class KVConnectorBase_V1:
     """Both roles' calls; a connector implements those of the roles it serves. The defaults do nothing, so an
     instance of a role never sees the other role's calls."""
 

@@ -10,8 +10,9 @@ invalid KV).
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any
 
 from kvserve.config.engine import EngineConfig
 from kvserve.core_types import SchedulerOutput

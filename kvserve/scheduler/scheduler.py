@@ -21,8 +21,8 @@ from kvserve.scheduler.admission import (AdmissionGates, allocate_for_admission,
 from kvserve.scheduler.chunking import ChunkSizer, observe_step_cost
 from kvserve.scheduler.core_output import core_output
 from kvserve.scheduler.diff import WorkerView, decodes_first
-from kvserve.scheduler.kv_connector import external_hit, first_invalid_block, load_error_message
 from kvserve.scheduler.grammar import add_grammar_bitmask, advance_grammar, attach_grammar, valid_drafts
+from kvserve.scheduler.kv_connector import external_hit, first_invalid_block, load_error_message
 from kvserve.scheduler.policy import WaitingOrder
 from kvserve.scheduler.stats import SchedulerStats
 from kvserve.scheduler.step_cost import OnlineStepCost, StepCost

@@ -13,8 +13,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.engine import run_to_completion, step_until_idle
-from tests.helpers.kv_connectors import (flip_a_byte, layer_files, offloading_config, storage_config,
-                                         stored_blocks)
+from tests.helpers.kv_connectors import flip_a_byte, layer_files, offloading_config, storage_config, stored_blocks
 from tests.helpers.oracles import assert_matches_hf
 
 # block 4, 24 blocks, 16 tokens a step: prompts are chunked, the six requests do not fit at once (preemption),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from tests.helpers.server import in_process
 
 CONNECTOR = {"kv_connector": "DelayingConnector", "kv_role": "kv_producer", "engine_id": "prefill-7",

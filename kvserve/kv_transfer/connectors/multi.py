@@ -5,8 +5,9 @@ saves. E.g. a host-memory tier in front of a shared directory."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvserve.config.engine import EngineConfig
 from kvserve.config.kv_transfer import KVTransferConfig

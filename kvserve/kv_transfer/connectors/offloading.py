@@ -11,7 +11,7 @@ load error, never stale KV.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 
