@@ -42,10 +42,15 @@ class KVConnectorBase_V1:
     instance of a role never sees the other role's calls."""
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec | None = None):
+        """`kv_spec`: the KV cache (worker side: this rank's)."""
         self.config = config
         self.transfer = config.kv_transfer
         self.role = role
         self.kv_spec = kv_spec
+        self.tp_rank = 0
+        """The worker side's tensor-parallel rank, whose KV heads it moves (every rank has a worker-side
+        connector); set by the factory once the connector is built."""
+        self.tp_size = config.parallel.tensor_parallel_size
         self._metadata: KVConnectorMetadata | None = None
 
     # ---- scheduler side ---------------------------------------------------------------------------
@@ -95,6 +100,15 @@ class KVConnectorBase_V1:
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of this step's loads that failed (missing or corrupt): their KV is not valid."""
         return set()
+
+    # kvserve's own (not vLLM's): the blocks a request computes in a step whose load failed are computed from
+    # invalid KV, wherever the load failed (another connector of a MultiConnector, another tensor-parallel rank)
+    def failed_requests(self) -> set[str]:
+        """Requests whose load failed in this connector this step."""
+        return set()
+
+    def skip_saves_of(self, req_ids: set[str]) -> None:
+        """Save nothing of these requests this step."""
 
     def shutdown(self) -> None:
         pass

@@ -16,11 +16,13 @@ from kvserve.request import Request
 
 
 def store_namespace(config: EngineConfig) -> str:
-    """What must match for a stored block to be valid here: the model (its files and config), the dtypes and
-    the block size (the layout is checked again, tensor by tensor, at load)."""
+    """What must match for a stored block to be valid here: the model (its files and config), the dtypes, the
+    block size and the tensor-parallel size (each rank stores its heads; the layout is checked again, tensor by
+    tensor, at load)."""
     mc = config.model
-    ident = repr((mc.source.kind, mc.source.path, mc.hf_config.to_json_string() if hasattr(mc.hf_config, "to_json_string")
-                  else repr(mc.hf_config), str(mc.dtype), config.cache.kv_cache_dtype, config.cache.block_size))
+    hf = mc.hf_config.to_json_string() if hasattr(mc.hf_config, "to_json_string") else repr(mc.hf_config)
+    ident = repr((mc.source.kind, mc.source.path, hf, str(mc.dtype), config.cache.kv_cache_dtype,
+                  config.cache.block_size, config.parallel.tensor_parallel_size))
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 

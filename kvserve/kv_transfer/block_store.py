@@ -92,6 +92,7 @@ class PrefixStoreConnector(KVConnectorBase_V1):
         """Blocks handed to the worker to save (scheduler side)."""
         self.kv_caches: list = []
         self._errors: set[int] = set()
+        self._failed: set[str] = set()
         self._skip_saves: set[str] = set()
 
     # ---- what a store implements ------------------------------------------------------------------
@@ -172,8 +173,7 @@ class PrefixStoreConnector(KVConnectorBase_V1):
         self.kv_caches = kv_caches
 
     def start_load_kv(self, forward_context: Any = None) -> None:
-        self._errors = set()
-        self._skip_saves = set()
+        self._errors, self._failed, self._skip_saves = set(), set(), set()
         for transfer in self._metadata.loads:
             try:
                 self._read_block(transfer)
@@ -181,6 +181,7 @@ class PrefixStoreConnector(KVConnectorBase_V1):
                 logger.warning("KV connector: the load of block %d for request %s failed: %s", transfer.block_id,
                                transfer.req_id, e)
                 self._errors.add(transfer.block_id)
+                self._failed.add(transfer.req_id)
                 self._skip_saves.add(transfer.req_id)
 
     def skip_saves_of(self, req_ids: set[str]) -> None:
@@ -188,7 +189,7 @@ class PrefixStoreConnector(KVConnectorBase_V1):
         self._skip_saves |= req_ids
 
     def failed_requests(self) -> set[str]:
-        return set(self._skip_saves)
+        return set(self._failed)
 
     def _saves(self) -> list[BlockTransfer]:
         return [t for t in self._metadata.saves if t.req_id not in self._skip_saves]

@@ -6,6 +6,7 @@ class in kv_connector; it subclasses KVConnectorBase_V1 and takes (config, role,
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 from kvserve.config.engine import EngineConfig
@@ -51,19 +52,19 @@ class KVConnectorFactory:
         return target
 
     @classmethod
-    def create_connector(cls, config: EngineConfig, role: KVConnectorRole,
-                         kv_spec: KVCacheSpec | None = None) -> KVConnectorBase_V1:
+    def create_connector(cls, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec | None = None, *,
+                         tp_rank: int = 0) -> KVConnectorBase_V1:
         target = cls.get_connector_class(config)
         if getattr(target, "composes_connectors", False):
-            return target(config, role, kv_spec, make=cls.create_connector)
-        return target(config, role, kv_spec)
+            connector = target(config, role, kv_spec, make=functools.partial(cls.create_connector, tp_rank=tp_rank))
+        else:
+            connector = target(config, role, kv_spec)
+        connector.tp_rank = tp_rank
+        return connector
 
 
 def check_supported(config: EngineConfig) -> None:
     """What the local connectors do not combine with yet, refused by name at start-up."""
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError("--kv-transfer-config with --tensor-parallel-size > 1 is not supported yet (each rank "
-                         "would move its own KV heads; the ranks' load errors are not combined yet)")
     if config.draft_model is not None:
         raise ValueError("--kv-transfer-config with a draft model is not supported yet (the draft's KV of a loaded "
                          "prefix is not stored); use ngram speculation")

@@ -20,7 +20,7 @@ from kvserve.sample.sampler import DEFAULT_LOGPROBS_MODE, Sampler
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.worker.cuda_graph import CudaGraphRunner
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
-from kvserve.worker.kv_connector import begin_kv_step, drop_samples, finish_kv_step
+from kvserve.worker.kv_connector import ConnectorStep, drop_samples
 from kvserve.worker.kv_pool import KVPool
 from kvserve.worker.lora_manager import LoRAManager
 from kvserve.worker.sampling import sample_step
@@ -56,22 +56,21 @@ class ModelRunner:
         """Decode-only steps by graph replay (CUDA, unless --enforce-eager): set by the worker after capture."""
         self.forward_s = 0.0
         """Seconds spent in the model's forward pass and LM head so far (the rest of a step is overhead)."""
-        self.kv_connector = None
-        """--kv-transfer-config: the worker-side KV connector (kv_transfer/), set by the worker."""
+        self.kv_connector: ConnectorStep | None = None
+        """--kv-transfer-config: the worker-side KV connector's calls around each step, set by the worker."""
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self.kv_connector is None:
             return self._execute(out)
         result = self._execute(out)
-        result.kv_connector_output = finish_kv_step(self.kv_connector, out, self.kv_caches)
+        result.kv_connector_output = self.kv_connector.finish(out)
         return result
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         step_start = time.perf_counter()
         self.update_states(out)
-        kv_failed = set() if self.kv_connector is None else begin_kv_step(self.kv_connector, out, self.batch,
-                                                                          self.kv_caches)
+        kv_failed = set() if self.kv_connector is None else self.kv_connector.begin(out, self.batch)
         if out.is_empty:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(out)

@@ -40,6 +40,7 @@ from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.utils.host_malloc import keep_freed_memory
 from kvserve.worker.cuda_graph import CudaGraphRunner
+from kvserve.worker.kv_connector import ConnectorStep
 from kvserve.worker.kv_pool import KVPool
 from kvserve.worker.lora_manager import LoRAManager
 from kvserve.worker.memory_plan import CudaMemoryPlan, plan_cuda_memory
@@ -207,9 +208,11 @@ class Worker:
                                   samples=self.is_driver, logprobs_mode=self.config.model.logprobs_mode)
         transfer = self.config.kv_transfer
         if transfer is not None and transfer.kv_connector:
-            connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, spec)
+            connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, spec,
+                                                            tp_rank=self.shard.rank)
             connector.register_kv_caches(self.runner.kv_caches)
-            self.runner.kv_connector = connector
+            self.runner.kv_connector = ConnectorStep(connector, self.runner.kv_caches, spec.num_blocks,
+                                                     self.shard.all_reduce if self.shard.size > 1 else None)
         max_len = self.config.model.max_model_len
         if self._use_cuda_graphs():
             graphs = CudaGraphRunner(self.model, self.backend, self.runner.kv_caches,

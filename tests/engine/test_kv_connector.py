@@ -179,7 +179,7 @@ def test_out_of_tree_connector_gets_every_hook_in_order(tiny_llama):
         "kv_connector_module_path": "tests.helpers.kv_connectors"}))
     _run(engine, REQS[:1])
     sched = engine.core.kv_connector
-    worker = engine.core.executor.worker.runner.kv_connector
+    worker = engine.core.executor.worker.runner.kv_connector.connector
     assert sched.calls[:3] == ["get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta"]
     assert sched.calls[-1] == "request_finished"
     layers = worker.num_layers
@@ -197,8 +197,9 @@ def test_unsupported_combinations_fail_at_start_up(tiny_llama, tmp_path):
         Engine(EngineArgs(model=path, kv_transfer_config=bad_extra))
     with pytest.raises(ValueError, match="num_cpu_blocks"):
         Engine(EngineArgs(model=path, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}))
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        Engine(EngineArgs(model=path, tensor_parallel_size=2, kv_transfer_config=storage_config(tmp_path)))
+    with pytest.raises(ValueError, match="draft model"):
+        Engine(EngineArgs(model=path, kv_transfer_config=storage_config(tmp_path),
+                          speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2}))
 
 
 def test_delay_free_holds_blocks_until_the_connector_reports_them_sent(tiny_llama):

@@ -18,9 +18,11 @@ def offloading_config(num_cpu_blocks: int, role: str = "kv_both") -> dict:
             "kv_connector_extra_config": {"num_cpu_blocks": num_cpu_blocks}}
 
 
-def stored_blocks(path: str) -> list[str]:
-    """The block directories of a shared store that are complete (every layer written)."""
-    return sorted(os.path.dirname(p) for p in glob.glob(os.path.join(str(path), "*", "*", "complete")))
+def stored_blocks(path: str, tp_size: int = 1) -> list[str]:
+    """The block directories of a shared store that are complete (every layer of every rank written)."""
+    markers = ["complete"] if tp_size == 1 else [f"complete.rank{r}" for r in range(tp_size)]
+    dirs = glob.glob(os.path.join(str(path), "*", "*"))
+    return sorted(d for d in dirs if all(os.path.exists(os.path.join(d, m)) for m in markers))
 
 
 def layer_files(block_dir: str) -> list[str]:

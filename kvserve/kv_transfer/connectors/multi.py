@@ -96,10 +96,14 @@ class MultiConnector(KVConnectorBase_V1):
         for connector in self.connectors:
             connector.start_load_kv(forward_context)
         # NOTE: a request whose load failed in one connector saves nothing that step in any of them
-        failed = set().union(*(getattr(c, "failed_requests", set)() for c in self.connectors))
+        self.skip_saves_of(self.failed_requests())
+
+    def failed_requests(self) -> set[str]:
+        return set().union(*(c.failed_requests() for c in self.connectors))
+
+    def skip_saves_of(self, req_ids: set[str]) -> None:
         for connector in self.connectors:
-            if hasattr(connector, "skip_saves_of"):
-                connector.skip_saves_of(failed)
+            connector.skip_saves_of(req_ids)
 
     def wait_for_layer_load(self, layer_index: int) -> None:
         for connector in self.connectors:

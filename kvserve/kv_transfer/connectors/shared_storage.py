@@ -2,7 +2,9 @@
 
 kv_connector_extra_config: {"shared_storage_path": DIR} (default /tmp/kvserve_kv). Layout:
 DIR/<namespace>/<block digest>/layer_<i>.kv, one file per layer per block-aligned prefix, and a `complete`
-marker written after the last layer, so a reader never takes a half-written block. Each file is the sha256 of
+marker written after the last layer, so a reader never takes a half-written block (with tensor parallelism
+each rank writes its own heads: layer_<i>.rank<r>.kv and complete.rank<r>; a block is there when every
+rank's part is). Each file is the sha256 of
 its payload, then the payload (the block's values and, for an int8/fp8 cache, its scales, as torch.save
 writes them); files are written under a temporary name and renamed, so engines may share the directory. A
 missing file, a bad checksum or a tensor of another shape or dtype is a load error (kv_load_failure_policy).
@@ -38,8 +40,17 @@ class SharedStorageConnector(PrefixStoreConnector):
     def _dir(self, digest: str) -> str:
         return os.path.join(self.root, digest)
 
+    def _marker(self, digest: str, rank: int) -> str:
+        """Written after a rank's last layer file of the block (with tensor parallelism, each rank its own)."""
+        return os.path.join(self._dir(digest), _COMPLETE if self.tp_size == 1 else f"{_COMPLETE}.rank{rank}")
+
+    def _layer_file(self, digest: str, layer_index: int) -> str:
+        suffix = "" if self.tp_size == 1 else f".rank{self.tp_rank}"
+        return os.path.join(self._dir(digest), f"layer_{layer_index}{suffix}.kv")
+
     def _has(self, digest: str) -> bool:
-        return os.path.exists(os.path.join(self._dir(digest), _COMPLETE))
+        """Scheduler side: every rank's part of the block is stored."""
+        return all(os.path.exists(self._marker(digest, r)) for r in range(self.tp_size))
 
     # ---- worker side -------------------------------------------------------------------------------
     def _read_block(self, transfer: BlockTransfer) -> None:
@@ -48,14 +59,14 @@ class SharedStorageConnector(PrefixStoreConnector):
         except ValueError:
             # NOTE: no longer complete: the recompute saves the block again (vLLM's recompute repairs the store)
             try:
-                os.unlink(os.path.join(self._dir(transfer.key), _COMPLETE))
+                os.unlink(self._marker(transfer.key, self.tp_rank))
             except OSError:
                 pass
             raise
 
     def _read_layers(self, transfer: BlockTransfer) -> None:
         for i, kv_layer in enumerate(self.kv_caches):
-            path = os.path.join(self._dir(transfer.key), f"layer_{i}.kv")
+            path = self._layer_file(transfer.key, i)
             try:
                 with open(path, "rb") as f:
                     data = f.read()
@@ -74,7 +85,7 @@ class SharedStorageConnector(PrefixStoreConnector):
                 dest[transfer.block_id].copy_(src)
 
     def _write_block(self, layer_index: int, kv_layer, transfer: BlockTransfer) -> None:
-        if self._has(transfer.key):
+        if os.path.exists(self._marker(transfer.key, self.tp_rank)):
             return  # another engine saved the same prefix meanwhile
         values, scales = layer_parts(kv_layer)
         block = {"values": values[transfer.block_id].to("cpu", copy=True)}
@@ -85,12 +96,13 @@ class SharedStorageConnector(PrefixStoreConnector):
         payload = buf.getvalue()
         directory = self._dir(transfer.key)
         os.makedirs(directory, exist_ok=True)
-        _write_atomic(os.path.join(directory, f"layer_{layer_index}.kv"), hashlib.sha256(payload).digest() + payload)
+        _write_atomic(self._layer_file(transfer.key, layer_index), hashlib.sha256(payload).digest() + payload)
 
     def _commit_saves(self, saves: list[BlockTransfer]) -> None:
         for digest in {t.key for t in saves}:
-            if not self._has(digest):
-                _write_atomic(os.path.join(self._dir(digest), _COMPLETE), b"")
+            marker = self._marker(digest, self.tp_rank)
+            if not os.path.exists(marker):
+                _write_atomic(marker, b"")
 
 
 def _write_atomic(path: str, data: bytes) -> None:
