@@ -156,8 +156,8 @@ class EngineArgs:
         "help": "a KV connector, vLLM's JSON: {\"kv_connector\": \"SharedStorageConnector\" | \"ExampleConnector\" | "
                 "\"OffloadingConnector\" | \"MultiConnector\", \"kv_role\": \"kv_producer\" | \"kv_consumer\" | "
                 "\"kv_both\", \"kv_connector_extra_config\": {...}, \"kv_load_failure_policy\": \"recompute\" | "
-                "\"fail\", \"kv_connector_module_path\": .., \"kv_rank\", \"kv_parallel_size\", \"kv_ip\", \"kv_port\", "
-                "\"engine_id\": ..}; unknown keys are an error; default: none"})
+                "\"fail\", \"kv_connector_module_path\": .., \"kv_rank\", \"kv_parallel_size\", \"kv_ip\", "
+                "\"kv_port\", \"engine_id\": ..}; unknown keys are an error; default: none"})
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

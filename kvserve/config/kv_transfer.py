@@ -49,10 +49,10 @@ class KVTransferConfig:
         if not isinstance(self.kv_connector_extra_config, dict):
             raise ValueError("kv_transfer_config: kv_connector_extra_config must be a JSON object, got "
                              f"{self.kv_connector_extra_config!r}")
-        for name in ("kv_parallel_size", "kv_port"):
+        for name, least in (("kv_parallel_size", 1), ("kv_port", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "kv_parallel_size" else 0):
-                raise ValueError(f"kv_transfer_config: {name} must be a non-negative integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"kv_transfer_config: {name} must be an integer >= {least}, got {value!r}")
         if self.kv_rank is not None and (not isinstance(self.kv_rank, int) or self.kv_rank < 0):
             raise ValueError(f"kv_transfer_config: kv_rank must be a non-negative integer, got {self.kv_rank!r}")
 

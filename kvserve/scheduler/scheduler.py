@@ -87,7 +87,8 @@ class Scheduler:
         req.metrics.finished_time = time.monotonic()
         delay_free = False
         if self.connector is not None:
-            delay_free, req.finished_kv_transfer_params = self.connector.request_finished(req, self.kv.block_ids(request_id))
+            delay_free, params = self.connector.request_finished(req, self.kv.block_ids(request_id))
+            req.finished_kv_transfer_params = params
         if delay_free:
             self.kv_held[request_id] = req
         else:

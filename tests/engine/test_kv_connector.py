@@ -11,6 +11,7 @@ import pytest
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
+from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.engine import run_to_completion, step_until_idle
 from tests.helpers.kv_connectors import flip_a_byte, layer_files, offloading_config, storage_config, stored_blocks
@@ -216,3 +217,14 @@ def test_delay_free_holds_blocks_until_the_connector_reports_them_sent(tiny_llam
     assert params["remote_engine_id"] == "prefill-0" and len(params["remote_block_ids"]) == 7
     assert engine.block_pool.counts()["in_use"] == 7 and engine.has_unfinished_requests()
     run_to_completion(engine)  # the worker reports them sent: every block free
+
+
+def test_llm_api_takes_the_config_as_a_dict(tiny_llama, tmp_path):
+    path, _ = tiny_llama
+    prompt, max_tokens = REQS[4]
+    outs = []
+    for _ in range(2):  # the second LLM reads what the first stored
+        llm = LLM(path, **ENGINE, kv_transfer_config=storage_config(tmp_path))
+        outs.append(llm.generate([prompt], _greedy(max_tokens), use_tqdm=False)[0])
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens == (len(prompt) - 1) // 4 * 4

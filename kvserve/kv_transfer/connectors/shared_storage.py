@@ -57,7 +57,7 @@ class SharedStorageConnector(PrefixStoreConnector):
         try:
             self._read_layers(transfer)
         except ValueError:
-            # NOTE: no longer complete: the recompute saves the block again (vLLM's recompute repairs the store)
+            # NOTE: no longer complete, so the recompute (policy recompute) saves the block again
             try:
                 os.unlink(self._marker(transfer.key, self.tp_rank))
             except OSError:
