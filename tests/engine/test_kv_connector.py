@@ -9,12 +9,14 @@ import os
 
 import pytest
 
+from kvserve import LoRARequest
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from tests.helpers.engine import run_to_completion, step_until_idle
 from tests.helpers.kv_connectors import flip_a_byte, layer_files, offloading_config, storage_config, stored_blocks
+from tests.helpers.lora import ADAPTERS, make_adapter
 from tests.helpers.oracles import assert_matches_hf
 
 # block 4, 24 blocks, 16 tokens a step: prompts are chunked, the six requests do not fit at once (preemption),
@@ -228,3 +230,27 @@ def test_llm_api_takes_the_config_as_a_dict(tiny_llama, tmp_path):
         outs.append(llm.generate([prompt], _greedy(max_tokens), use_tqdm=False)[0])
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens == (len(prompt) - 1) // 4 * 4
+
+
+def test_adapters_and_the_base_model_never_share_stored_blocks(tiny_llama, tmp_path):
+    pytest.importorskip("peft")
+    path, hf = tiny_llama
+    targets, rslora = ADAPTERS["all"]
+    make_adapter(hf, str(tmp_path / "adapter"), targets, rslora, seed=3)
+    lora = LoRARequest("all", 1, str(tmp_path / "adapter"))
+    prompt, max_tokens = REQS[0]
+    kwargs = dict(model=path, **ENGINE, enable_lora=True)
+
+    def run(engine: Engine) -> dict[str, list[int]]:
+        engine.add_request("base", prompt, _greedy(max_tokens))
+        engine.add_request("lora", prompt, _greedy(max_tokens), lora_request=lora)
+        return {k: list(v.outputs[0].token_ids) for k, v in run_to_completion(engine).items()}
+
+    want = run(Engine(EngineArgs(**kwargs)))
+    assert want["base"] != want["lora"]
+    kwargs["kv_transfer_config"] = storage_config(tmp_path / "kv")
+    assert run(Engine(EngineArgs(**kwargs))) == want
+    assert len(stored_blocks(tmp_path / "kv")) == 2 * ((len(prompt) - 1) // 4)  # one chain each (no hits between)
+    engine = Engine(EngineArgs(**kwargs))
+    assert run(engine) == want
+    assert engine.scheduler.stats.num_external_hit_tokens == 2 * ((len(prompt) - 1) // 4 * 4)
