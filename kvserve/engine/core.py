@@ -57,7 +57,7 @@ class EngineCore:
         transfer = config.kv_transfer
         if transfer is not None and transfer.kv_connector:
             check_supported(config)
-            KVConnectorFactory.get_connector_class(config)  # an unknown name fails before the model loads
+            KVConnectorFactory.check_config(config)  # a bad connector config fails before the model loads
         self.executor = make_executor(config)
         num_blocks = self.executor.determine_num_blocks()
         self.kv_spec: KVCacheSpec = self.executor.init_kv_cache(num_blocks)

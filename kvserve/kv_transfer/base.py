@@ -53,6 +53,10 @@ class KVConnectorBase_V1:
         self.tp_size = config.parallel.tensor_parallel_size
         self._metadata: KVConnectorMetadata | None = None
 
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        """kvserve's own: refuse a bad kv_connector_extra_config before the model loads (ValueError)."""
+
     # ---- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens past `num_computed_tokens` (the local prefix-cache hit, block aligned) that the connector can

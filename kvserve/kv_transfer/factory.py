@@ -52,6 +52,11 @@ class KVConnectorFactory:
         return target
 
     @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        """The connector exists and takes its extra config: checked before the model loads."""
+        cls.get_connector_class(config).check_config(config)
+
+    @classmethod
     def create_connector(cls, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec | None = None, *,
                          tp_rank: int = 0) -> KVConnectorBase_V1:
         target = cls.get_connector_class(config)

@@ -200,6 +200,10 @@ def test_unsupported_combinations_fail_at_start_up(tiny_llama, tmp_path):
         Engine(EngineArgs(model=path, kv_transfer_config=bad_extra))
     with pytest.raises(ValueError, match="num_cpu_blocks"):
         Engine(EngineArgs(model=path, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}))
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [
+        offloading_config(8), bad_extra]}}
+    with pytest.raises(ValueError, match="shared_storage_pth"):
+        Engine(EngineArgs(model=path, kv_transfer_config=multi))
     with pytest.raises(ValueError, match="draft model"):
         Engine(EngineArgs(model=path, kv_transfer_config=storage_config(tmp_path),
                           speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2}))

@@ -49,6 +49,13 @@ class MultiConnector(KVConnectorBase_V1):
                            for child in child_configs(self.transfer)]
         self._chosen: dict[str, int] = {}
 
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        from kvserve.kv_transfer.factory import KVConnectorFactory  # NOTE: the factory imports this module lazily
+
+        for child in child_configs(config.kv_transfer):
+            KVConnectorFactory.check_config(dataclasses.replace(config, kv_transfer=child))
+
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._chosen.pop(request.request_id, None)

@@ -24,7 +24,8 @@ from kvserve.kv_transfer.extra_config import check_extra_keys, positive_int
 _KEYS = ("num_cpu_blocks", "cpu_bytes_to_use", "block_size", "spec_name")
 
 
-def num_host_blocks(config: EngineConfig, kv_spec: KVCacheSpec) -> int:
+def num_host_blocks(config: EngineConfig, kv_spec: KVCacheSpec | None) -> int | None:
+    """The host tier's blocks (None without a spec: the keys and values are checked alone)."""
     extra = check_extra_keys(config.kv_transfer, _KEYS)
     block_size = positive_int(extra, "block_size")
     if block_size is not None and block_size != config.cache.block_size:
@@ -32,11 +33,14 @@ def num_host_blocks(config: EngineConfig, kv_spec: KVCacheSpec) -> int:
                          f"cache's --block-size {config.cache.block_size}")
     num = positive_int(extra, "num_cpu_blocks")
     num_bytes = positive_int(extra, "cpu_bytes_to_use")
-    if num is None and num_bytes is not None:
-        num = num_bytes // kv_spec.bytes_per_block
-    if not num:
+    if num is None and num_bytes is None:
         raise ValueError("kv_transfer_config: OffloadingConnector needs kv_connector_extra_config.num_cpu_blocks "
-                         f"or cpu_bytes_to_use of at least one block ({kv_spec.bytes_per_block} bytes)")
+                         "or cpu_bytes_to_use")
+    if num is None and kv_spec is not None:
+        num = num_bytes // kv_spec.bytes_per_block
+        if not num:
+            raise ValueError(f"kv_transfer_config: cpu_bytes_to_use {num_bytes} holds no KV block "
+                             f"({kv_spec.bytes_per_block} bytes)")
     return num
 
 
@@ -66,6 +70,10 @@ class OffloadingConnector(PrefixStoreConnector):
         slot = self._free_slots.pop() if self._free_slots else self._index.popitem(last=False)[1]
         self._index[digest] = slot
         return slot, digest
+
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        num_host_blocks(config, None)
 
     @property
     def num_host_blocks_used(self) -> int:

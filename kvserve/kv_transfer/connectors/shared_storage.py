@@ -28,14 +28,19 @@ from kvserve.kv_transfer.extra_config import check_extra_keys
 DEFAULT_PATH = "/tmp/kvserve_kv"
 _COMPLETE = "complete"
 _DIGEST_BYTES = 32
+_KEYS = ("shared_storage_path",)
 
 
 class SharedStorageConnector(PrefixStoreConnector):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec | None = None):
         super().__init__(config, role, kv_spec)
-        extra = check_extra_keys(self.transfer, ("shared_storage_path",))
+        extra = check_extra_keys(self.transfer, _KEYS)
         self.root = os.path.join(str(extra.get("shared_storage_path", DEFAULT_PATH)), store_namespace(config))
         os.makedirs(self.root, exist_ok=True)
+
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        check_extra_keys(config.kv_transfer, _KEYS)
 
     def _dir(self, digest: str) -> str:
         return os.path.join(self.root, digest)
