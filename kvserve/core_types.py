@@ -77,6 +77,8 @@ class EngineCoreOutput:
     new_prompt_logprobs: PromptLogprobsChunk | None = None
     """prompt_logprobs: what this step's prompt chunk said about its prompt tokens (only the new ones; such an
     output may carry no token: a chunk short of the prompt's end)."""
+    kv_transfer_params: dict | None = None
+    """With a finish: what the KV connector's request_finished returned (e.g. where a peer reads its KV)."""
 
     @property
     def finished(self) -> bool:
@@ -132,6 +134,9 @@ class SchedulerOutput:
     scored position (1 + its drafts); None when no such request samples."""
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     """Constrained request -> its first row in grammar_bitmask."""
+    kv_connector_metadata: object | None = None
+    """--kv-transfer-config: what the scheduler-side connector tells the worker-side one this step (which blocks
+    to load before the forward pass and to save after it); None: no connector."""
 
     @property
     def is_empty(self) -> bool:
@@ -155,3 +160,17 @@ class ModelRunnerOutput:
     (whether or not it sampled); empty in a step with no such request."""
     execute_s: float = 0.0
     """Wall seconds of the worker's step (inputs, forward, sampling, proposing): the draft policy's cost data."""
+    kv_connector_output: KVConnectorOutput | None = None
+    """--kv-transfer-config: what the worker-side connector reports this step; None: no connector."""
+
+
+@dataclass(kw_only=True, slots=True)
+class KVConnectorOutput:
+    """The worker-side KV connector's report for one step (vLLM's shape)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    """Requests whose blocks the connector no longer reads (a delayed free may now happen)."""
+    finished_recving: set[str] = field(default_factory=set)
+    """Requests whose asynchronous loads completed."""
+    invalid_block_ids: set[int] = field(default_factory=set)
+    """Blocks whose load failed (missing or corrupt KV): the requests owning them got no token this step."""

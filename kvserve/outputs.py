@@ -80,3 +80,5 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     """With SamplingParams.prompt_logprobs: one entry per prompt token, from the first output on (the
     prompt is computed by then); with RequestOutputKind.DELTA only in that first output. None otherwise."""
+    kv_transfer_params: dict | None = None
+    """With --kv-transfer-config, once finished: what the KV connector returned for this request (vLLM's field)."""

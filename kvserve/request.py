@@ -65,6 +65,8 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     """Why the request failed (status FINISHED_ERROR)."""
+    finished_kv_transfer_params: dict | None = None
+    """What the KV connector's request_finished returned, for the response (network connectors' seam)."""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     structured_output: StructuredOutputRequest | None = None
     """Its grammar (compile, then matcher) when it asked for structured outputs."""
@@ -73,6 +75,12 @@ class Request:
     def lora_int_id(self) -> int:
         """The adapter's id, 0 for the base model."""
         return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """What the request tells the KV connector (vLLM's sampling_params.extra_args["kv_transfer_params"])."""
+        extra = self.sampling_params.extra_args
+        return extra.get("kv_transfer_params") if extra else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -129,6 +129,8 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each output carries: everything so far, only what is new, or only the final output."""
+    extra_args: dict | None = None
+    """vLLM's: arguments for plug-ins; "kv_transfer_params" is what the request tells the KV connector."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from kvserve.config.cache import CacheConfig
 from kvserve.config.device import DeviceConfig
 from kvserve.config.engine import EngineConfig
 from kvserve.config.generation import default_sampling, parse_override
+from kvserve.config.kv_transfer import KVTransferConfig
 from kvserve.config.load import LoadConfig
 from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
@@ -150,6 +151,13 @@ class EngineArgs:
         "choices": DISTRIBUTED_EXECUTOR_BACKENDS})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})
+    # ---- KV transfer (docs/features/kv-connectors.md) ----
+    kv_transfer_config: str | dict | None = field(default=None, metadata={
+        "help": "a KV connector, vLLM's JSON: {\"kv_connector\": \"SharedStorageConnector\" | \"ExampleConnector\" | "
+                "\"OffloadingConnector\" | \"MultiConnector\", \"kv_role\": \"kv_producer\" | \"kv_consumer\" | "
+                "\"kv_both\", \"kv_connector_extra_config\": {...}, \"kv_load_failure_policy\": \"recompute\" | "
+                "\"fail\", \"kv_connector_module_path\": .., \"kv_rank\", \"kv_parallel_size\", \"kv_ip\", "
+                "\"kv_port\", \"engine_id\": ..}; unknown keys are an error; default: none"})
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -163,6 +171,7 @@ class EngineArgs:
         # NOTE: the configs that need no checkpoint validate themselves now, so a bad flag fails at once.
         SpeculativeConfig.parse(self.speculative_config)
         parse_override(self.override_generation_config)
+        KVTransferConfig.parse(self.kv_transfer_config)
         self._cache_config()
         self._scheduler_config(max_model_len=self.max_model_len or 1)
         self._lora_config()
@@ -236,7 +245,8 @@ class EngineArgs:
             draft_model=draft,
             lora=self._lora_config(),
             quantization=quantization,
-            seed=self.seed)
+            seed=self.seed,
+            kv_transfer=KVTransferConfig.parse(self.kv_transfer_config))
 
     # ---- CLI generation -------------------------------------------------------------------
     @classmethod

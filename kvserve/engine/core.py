@@ -17,6 +17,8 @@ from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
 from kvserve.kv_cache.quant import dtype_name
 from kvserve.kv_cache.window import window_blocks_bound
+from kvserve.kv_transfer.base import KVConnectorRole
+from kvserve.kv_transfer.factory import KVConnectorFactory, check_supported
 from kvserve.model_loader.architectures import longrope_switch_length
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
@@ -52,9 +54,17 @@ class EngineInfo:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
+        transfer = config.kv_transfer
+        if transfer is not None and transfer.kv_connector:
+            check_supported(config)
+            KVConnectorFactory.check_config(config)  # a bad connector config fails before the model loads
         self.executor = make_executor(config)
         num_blocks = self.executor.determine_num_blocks()
         self.kv_spec: KVCacheSpec = self.executor.init_kv_cache(num_blocks)
+        self.kv_connector = None
+        """--kv-transfer-config: the scheduler-side KV connector (kv_transfer/); the worker holds its twin."""
+        if transfer is not None and transfer.kv_connector:
+            self.kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, self.kv_spec)
         window = config.kv_release_window
         if window is not None:
             num_blocks -= 1  # the cache's last block is the manager's null block (released table entries)
@@ -68,7 +78,8 @@ class EngineCore:
                                    spec_lookahead=spec is not None and spec.method == "draft_model",
                                    max_loras=config.lora.max_loras if config.lora else None,
                                    structured=StructuredOutputManager(self._load_tokenizer, config.model.vocab_size),
-                                   step_cost=OnlineStepCost(knee_rows=self.executor.step_cost_knee()))
+                                   step_cost=OnlineStepCost(knee_rows=self.executor.step_cost_knee()),
+                                   kv_connector=self.kv_connector)
         self._aborted: list[EngineCoreOutput] = []
         mc = config.model
         self._long_rope_prompt = longrope_switch_length(mc.hf_config, mc.max_model_len)
@@ -81,6 +92,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the workers (tensor parallelism: the follower processes); the core cannot step after."""
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def _load_tokenizer(self):
         # NOTE: the core produces no text; xgrammar alone needs the vocabulary's strings, on its compile thread.
@@ -130,7 +143,7 @@ class EngineCore:
         return self.scheduler.finished_output(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+        return self.scheduler.num_unfinished > 0 or bool(self._aborted) or self.scheduler.has_held_blocks
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

@@ -51,6 +51,7 @@ class _GroupState:
     arrival_time: float
     output_kind: RequestOutputKind
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
     seen_first_token: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     """With params.prompt_logprobs: the entries so far (chunk by chunk, from the first sample's outputs)."""
@@ -150,6 +151,8 @@ class OutputProcessor:
             m.first_scheduled_time = out.first_scheduled_time
         if sample.index == 0:
             group.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                group.kv_transfer_params = out.kv_transfer_params
         if out.new_token_ids:
             m.first_token_time = m.first_token_time or out.timestamp
             m.last_token_time = out.timestamp
@@ -250,7 +253,8 @@ class OutputProcessor:
             del self._groups[group.request_id]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
                              num_cached_tokens=group.num_cached_tokens, metrics=metrics,
-                             new_token_ids=new_ids, new_texts=new_texts, prompt_logprobs=prompt_logprobs)
+                             new_token_ids=new_ids, new_texts=new_texts, prompt_logprobs=prompt_logprobs,
+                             kv_transfer_params=group.kv_transfer_params if finished else None)
 
 
 def _count(stats: IterationStats, group: _GroupState, sample: _SampleState, out: EngineCoreOutput) -> None:

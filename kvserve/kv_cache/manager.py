@@ -231,9 +231,11 @@ class KVCacheManager:
         return self.pool.reset_cache()
 
     # ---- invariants ---------------------------------------------------------------------
-    def check_invariants(self, requests: dict[str, Request]) -> None:
+    def check_invariants(self, requests: dict[str, Request], held: dict[str, Request] | None = None) -> None:
         """Pool invariants, plus: each block's ref_count equals the number of live tables holding it,
-        no block twice in one table, each table covers its request's computed tokens."""
+        no block twice in one table, each table covers its request's computed tokens. `held`: finished
+        requests whose tables a KV connector still reads (they hold their blocks until it is done)."""
+        held = held or {}
         self.pool.check_invariants()
         holders: dict[int, int] = self.pins.holders()
         for req_id, table in self._tables.items():
@@ -242,6 +244,9 @@ class KVCacheManager:
             assert len(ids) == len(set(ids)), f"request {req_id} holds a block twice: {ids}"
             for i in ids:
                 holders[i] = holders.get(i, 0) + 1
+            if req_id in held:
+                assert req_id not in requests and held[req_id].is_finished, f"held table of live request {req_id}"
+                continue
             req = requests.get(req_id)
             assert req is not None and not req.is_finished, f"table of dead request {req_id}"
             assert len(table) * self.block_size >= req.num_computed_tokens, f"{req_id} table too short"

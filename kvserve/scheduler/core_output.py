@@ -14,4 +14,5 @@ def core_output(req: Request, new_ids: list[int], new_logprobs, now: float,
         finish_reason=req.status.finish_reason,
         stop_reason=req.stop_reason if isinstance(req.stop_reason, int) else None, error=req.error,
         num_draft_tokens=req.metrics.num_draft_tokens, num_accepted_tokens=req.metrics.num_accepted_tokens,
-        new_prompt_logprobs=new_prompt_logprobs)
+        new_prompt_logprobs=new_prompt_logprobs,
+        kv_transfer_params=req.finished_kv_transfer_params if req.status.finish_reason is not None else None)

@@ -22,6 +22,7 @@ from kvserve.scheduler.chunking import ChunkSizer, observe_step_cost
 from kvserve.scheduler.core_output import core_output
 from kvserve.scheduler.diff import WorkerView, decodes_first
 from kvserve.scheduler.grammar import add_grammar_bitmask, advance_grammar, attach_grammar, valid_drafts
+from kvserve.scheduler.kv_connector import external_hit, first_invalid_block, load_error_message
 from kvserve.scheduler.policy import WaitingOrder
 from kvserve.scheduler.stats import SchedulerStats
 from kvserve.scheduler.step_cost import OnlineStepCost, StepCost
@@ -33,8 +34,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
                  spec_policy: DraftLengthPolicy | None = None, spec_lookahead: bool = False,
                  max_loras: int | None = None, structured: StructuredOutputManager | None = None,
-                 step_cost: StepCost | None = None):
+                 step_cost: StepCost | None = None, *, kv_connector=None):
         self.config = config
+        self.connector = kv_connector
+        """--kv-transfer-config: the scheduler-side KV connector (kv_transfer/base.py); None: none."""
         self.step_cost = step_cost if step_cost is not None else OnlineStepCost()
         """Predicted step time (config.target_itl_ms sizes prompt chunks by it), fitted in update()."""
         self.structured = structured
@@ -55,6 +58,9 @@ class Scheduler:
         self.order = WaitingOrder(config.policy, kv_manager)
         self.worker_view = WorkerView()
         self._failed: list[Request] = []  # failed before they ran (a grammar that did not compile)
+        self.kv_held: dict[str, Request] = {}
+        """Finished requests whose blocks the KV connector still reads (request_finished's delay_free): freed when
+        the worker reports them in finished_sending."""
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request, wait_for: Request | None = None) -> None:
@@ -79,7 +85,14 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         req.metrics.finished_time = time.monotonic()
-        self.kv.free(req, finished=True)
+        delay_free = False
+        if self.connector is not None:
+            delay_free, params = self.connector.request_finished(req, self.kv.block_ids(request_id))
+            req.finished_kv_transfer_params = params
+        if delay_free:
+            self.kv_held[request_id] = req
+        else:
+            self.kv.free(req, finished=True)
         self.gates.wait_for.pop(request_id, None)
         self.order.forget(request_id)
         if self.spec_policy is not None:
@@ -91,6 +104,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def has_held_blocks(self) -> bool:
+        """Finished requests' blocks wait for the KV connector (the engine keeps stepping until it reports)."""
+        return bool(self.kv_held)
 
     @property
     def has_compiling_requests(self) -> bool:
@@ -121,6 +139,8 @@ class Scheduler:
             scheduled, self.spec_policy, cfg.max_model_len, self.kv if self.spec_lookahead else None)
         out = self.worker_view.build(scheduled, preempted, self.kv)
         out.num_draft_tokens_to_propose = to_propose
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if self.structured is not None:
             add_grammar_bitmask(out, scheduled, self.structured)
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
@@ -165,19 +185,25 @@ class Scheduler:
                 break
             computed = self.kv.get_computed_blocks(req)
             num_hit = len(computed) * self.kv.block_size
-            num_new = req.num_tokens - num_hit
+            num_external = 0 if self.connector is None else external_hit(self.connector, req, num_hit)
+            if num_external is None:
+                break  # the connector does not know yet; FCFS: it stays at the head
+            num_new = req.num_tokens - num_hit - num_external
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = sizer.size(num_hit, num_new, budget)
+            num_new = sizer.size(num_hit + num_external, num_new, budget)
             if num_new == 0:
                 break  # the step is full; FCFS: it is admitted first next step
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + num_external  # the external tokens get fresh blocks, loaded
             if not allocate_for_admission(self.kv, req, num_new, computed, nothing_runs=not self.running):
                 req.num_computed_tokens = 0
                 break
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), num_external)
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:  # first admission, not a resumption
-                req.num_cached_tokens = num_hit
+                req.num_cached_tokens = num_hit + num_external
+                self.stats.num_external_hit_tokens += num_external
                 req.metrics.first_scheduled_time = time.monotonic()
                 self.stats.record_admission(req.num_prompt_tokens, num_hit)
             req.status = RequestStatus.RUNNING
@@ -224,9 +250,17 @@ class Scheduler:
         sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
         outputs = []
+        kv_out = runner_out.kv_connector_output
+        invalid = kv_out.invalid_block_ids if kv_out is not None else set()
+        for req_id in kv_out.finished_sending if kv_out is not None else ():
+            held = self.kv_held.pop(req_id, None)
+            if held is not None:
+                self.kv.free(held, finished=True)
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None:  # aborted between schedule and update
+                continue
+            if invalid and self._failed_load(req, invalid, outputs, now):
                 continue
             error = runner_out.errors.get(req_id)
             if error is not None:
@@ -274,6 +308,24 @@ class Scheduler:
         return core_output(req, appended, row_logprobs[:len(appended)] if row_logprobs else None, now,
                             prompt_chunk)
 
+    def _failed_load(self, req: Request, invalid: set[int], outputs: list[EngineCoreOutput], now: float) -> bool:
+        """Whether a block of req failed to load this step (the worker then gave it no token). Policy recompute:
+        its computed tokens fall back to the first bad block (the blocks stay; the next steps rewrite them);
+        fail: it finishes with an error."""
+        first = first_invalid_block(self.kv, req, invalid)
+        if first is None:
+            return False
+        policy = self.connector.transfer.kv_load_failure_policy
+        self.stats.num_kv_load_failures += 1
+        if policy == "fail":
+            bad = sum(1 for b in self.kv.block_ids(req.request_id) if b in invalid)
+            self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, load_error_message(req, bad))
+            outputs.append(core_output(req, [], None, now))
+        else:
+            req.num_computed_tokens = min(req.num_computed_tokens, first * self.kv.block_size)
+            req.num_cached_tokens = min(req.num_cached_tokens, req.num_computed_tokens)
+        return True
+
     def _cache_computed(self, req: Request) -> None:
         """Every computed token is now final (prompt, or accepted output): share it; pin a pinned prefix."""
         self.kv.cache_full_blocks(req)
@@ -287,7 +339,7 @@ class Scheduler:
     # ---- invariants ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Block accounting (see KVCacheManager.check_invariants) plus queue membership."""
-        self.kv.check_invariants(self.requests)
+        self.kv.check_invariants(self.requests, held=self.kv_held)
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         assert len(ids) == len(set(ids)) == len(self.requests), "a request is queued twice or lost"
         for r in self.running:

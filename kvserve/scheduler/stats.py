@@ -9,6 +9,10 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    num_external_hit_tokens: int = 0
+    """Prompt tokens a KV connector loaded at admission (past the local prefix-cache hit)."""
+    num_kv_load_failures: int = 0
+    """Requests whose connector load failed in a step (recomputed or failed, per kv_load_failure_policy)."""
     num_spec_drafts: int = 0
     """Speculative verifications (a request's drafts scored in one step)."""
     num_spec_draft_tokens: int = 0

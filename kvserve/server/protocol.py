@@ -61,6 +61,8 @@ class _SamplingRequest(_Request):
     """vLLM's extra: {"json" | "regex" | "choice" | "grammar" | "structural_tag": ..., options}."""
     prompt_logprobs: int | None = None
     """vLLM's extra: the prompt tokens' logprobs with this many alternatives (`prompt_logprobs` in the body)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's extra: what the request tells the KV connector (--kv-transfer-config), e.g. {"do_remote_decode": true}."""
 
     @property
     def include_usage(self) -> bool:
@@ -96,8 +98,9 @@ class _SamplingRequest(_Request):
                 kwargs.setdefault(key, value)
         structured = self.structured_outputs_params()
         try:
+            extra = {"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params is not None else None
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
-                                  structured_outputs=structured, **kwargs)
+                                  structured_outputs=structured, extra_args=extra, **kwargs)
         except ValueError as e:
             first = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=first if first in values or first == "max_tokens" else None) from None
@@ -376,6 +379,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = Field(default=None, exclude_if=_none)
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_none)
+    """vLLM's extra: what the KV connector returned for the request (--kv-transfer-config)."""
 
 
 class TopLogprob(BaseModel):
@@ -428,6 +433,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobsField | None = Field(default=None, exclude_if=_none)
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_none)
+    """vLLM's extra: what the KV connector returned for the request (--kv-transfer-config)."""
 
 
 class FunctionCallChunk(BaseModel):

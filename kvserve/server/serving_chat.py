@@ -80,7 +80,8 @@ class _ChatRun:
             prompt_logprobs = prompt_logprobs_field(final.prompt_token_ids, final.prompt_logprobs,
                                                     self.request.prompt_logprobs)
         body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=_usage(final, stream), prompt_logprobs=prompt_logprobs)
+                                      usage=_usage(final, stream), prompt_logprobs=prompt_logprobs,
+                                      kv_transfer_params=final.kv_transfer_params)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def events(self, stream: RequestStream) -> AsyncIterator[str]:

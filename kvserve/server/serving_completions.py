@@ -96,6 +96,7 @@ class _CompletionRun:
                                                 logprobs=logprobs, finish_reason=o.finish_reason,
                                                 stop_reason=o.stop_reason, prompt_logprobs=field))
         body = self._response(choices, _usage(finals, streams))
+        body.kv_transfer_params = finals[0].kv_transfer_params if len(finals) == 1 else None
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:

@@ -20,6 +20,7 @@ from kvserve.sample.sampler import DEFAULT_LOGPROBS_MODE, Sampler
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.worker.cuda_graph import CudaGraphRunner
 from kvserve.worker.input_batch import CachedRequestState, InputBatch
+from kvserve.worker.kv_connector import ConnectorStep, drop_samples
 from kvserve.worker.kv_pool import KVPool
 from kvserve.worker.lora_manager import LoRAManager
 from kvserve.worker.sampling import sample_step
@@ -55,11 +56,21 @@ class ModelRunner:
         """Decode-only steps by graph replay (CUDA, unless --enforce-eager): set by the worker after capture."""
         self.forward_s = 0.0
         """Seconds spent in the model's forward pass and LM head so far (the rest of a step is overhead)."""
+        self.kv_connector: ConnectorStep | None = None
+        """--kv-transfer-config: the worker-side KV connector's calls around each step, set by the worker."""
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.kv_connector is None:
+            return self._execute(out)
+        result = self._execute(out)
+        result.kv_connector_output = self.kv_connector.finish(out)
+        return result
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         step_start = time.perf_counter()
         self.update_states(out)
+        kv_failed = set() if self.kv_connector is None else self.kv_connector.begin(out, self.batch)
         if out.is_empty:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(out)
@@ -82,6 +93,8 @@ class ModelRunner:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         result = sample_step(self.sampler, self.batch, logits, inputs, self.vocab_size, self.device)
         result.prompt_logprobs = prompt_logprobs
+        if kv_failed:
+            drop_samples(result, kv_failed)
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             row = self.batch.index[req_id]
             for token in tokens:

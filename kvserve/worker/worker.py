@@ -22,6 +22,8 @@ from kvserve.config.quantization import QuantizationConfig
 from kvserve.core_types import ModelRunnerOutput, SchedulerOutput
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.quant import SCALE_DTYPE, dtype_name, is_quantized, resolve_kv_cache_dtype
+from kvserve.kv_transfer.base import KVConnectorRole
+from kvserve.kv_transfer.factory import KVConnectorFactory
 from kvserve.layers.linear_methods import default_method
 from kvserve.layers.lora import LoRABatch, LoRAMethod
 from kvserve.layers.parallel import ShardContext
@@ -39,6 +41,7 @@ from kvserve.spec_decode.proposer import Proposer
 from kvserve.utils.cpu_features import describe_isa
 from kvserve.utils.host_malloc import keep_freed_memory
 from kvserve.worker.cuda_graph import CudaGraphRunner
+from kvserve.worker.kv_connector import ConnectorStep
 from kvserve.worker.kv_pool import KVPool
 from kvserve.worker.lora_manager import LoRAManager
 from kvserve.worker.memory_plan import CudaMemoryPlan, plan_cuda_memory
@@ -206,6 +209,13 @@ class Worker:
         self.runner = ModelRunner(self.model, self.backend, spec, self.config.scheduler.max_num_seqs,
                                   self.config.model.max_model_len, self.device, proposer, self.lora,
                                   samples=self.is_driver, logprobs_mode=self.config.model.logprobs_mode)
+        transfer = self.config.kv_transfer
+        if transfer is not None and transfer.kv_connector:
+            connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, spec,
+                                                            tp_rank=self.shard.rank)
+            connector.register_kv_caches(self.runner.kv_caches)
+            self.runner.kv_connector = ConnectorStep(connector, self.runner.kv_caches, spec.num_blocks,
+                                                     self.shard.all_reduce if self.shard.size > 1 else None)
         max_len = self.config.model.max_model_len
         if self._use_cuda_graphs():
             graphs = CudaGraphRunner(self.model, self.backend, self.runner.kv_caches,
