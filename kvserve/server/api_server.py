@@ -36,7 +36,7 @@ from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, D
 from kvserve.server.serving import ServerState, read_request
 from kvserve.server.serving_chat import create_chat_completion
 from kvserve.server.serving_completions import create_completion
-from kvserve.server.serving_debug import explain_prefix, prefix_cache_stats
+from kvserve.server.serving_debug import explain_prefix, prefix_cache_report, prefix_cache_stats
 from kvserve.server.serving_messages import count_tokens, create_message
 from kvserve.server.tool_parsers import resolve_tool_parser
 
@@ -160,6 +160,10 @@ def _add_debug_routes(app: FastAPI, auth: list) -> None:
     @app.get("/debug/prefix-cache", dependencies=auth)
     async def debug_prefix_cache(request: Request) -> Response:
         return await prefix_cache_stats(_state(request))
+
+    @app.get("/debug/prefix-cache/report", dependencies=auth)
+    async def debug_prefix_cache_report(request: Request) -> Response:
+        return await prefix_cache_report(_state(request))
 
 
 def _add_routes(app: FastAPI, auth: list, metrics_auth: list) -> None:
