@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import kvserve
 from kvserve.config import EngineArgs
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.kv_cache.admission_check import admission_warning
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.metrics import ServerMetrics, log_stats_periodically
@@ -101,6 +102,13 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
                     config.max_stop_string_length, config.max_messages, config.max_logit_bias,
                     config.max_tokens_limit or "up to max_model_len",
                     f"{config.request_timeout:g} s" if config.request_timeout else "none")
+        warning = admission_warning(
+            pool_tokens=info.num_kv_blocks * info.block_size, max_model_len=info.max_model_len,
+            max_num_seqs=info.max_num_seqs, default_max_tokens=state.default_sampling.get("max_tokens"),
+            max_tokens_limit=config.max_tokens_limit, kv_reservation=engine_args.kv_reservation,
+            max_tokens_held=info.max_blocks_per_request and info.max_blocks_per_request * info.block_size)
+        if warning is not None:
+            logger.warning(warning)
         if on_ready is not None:
             on_ready()
         try:
