@@ -94,7 +94,8 @@ def plot(rows: list[Row], png_path: str, title: str) -> None:
         if r.claim_range is not None:
             lo, hi = r.claim_range
             ax.barh(y, hi - lo, left=lo, height=0.8, color="lightgray", label="claimed" if y == 0 else None)
-        ax.barh(y, r.headline, height=0.4, color="tab:blue", label="measured" if y == 0 else None)
+        # from 1x, so a loss (below 1x) points left
+        ax.barh(y, r.headline - 1.0, left=1.0, height=0.4, color="tab:blue", label="measured" if y == 0 else None)
     ax.set_yticks(range(len(shown)), [r.technique for r in shown])
     ax.set_xscale("log")
     ax.axvline(1.0, color="black", linewidth=0.8)
