@@ -102,13 +102,7 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
                     config.max_stop_string_length, config.max_messages, config.max_logit_bias,
                     config.max_tokens_limit or "up to max_model_len",
                     f"{config.request_timeout:g} s" if config.request_timeout else "none")
-        warning = admission_warning(
-            pool_tokens=info.num_kv_blocks * info.block_size, max_model_len=info.max_model_len,
-            max_num_seqs=info.max_num_seqs, default_max_tokens=state.default_sampling.get("max_tokens"),
-            max_tokens_limit=config.max_tokens_limit, kv_reservation=engine_args.kv_reservation,
-            max_tokens_held=info.max_blocks_per_request and info.max_blocks_per_request * info.block_size)
-        if warning is not None:
-            logger.warning(warning)
+        _warn_if_admission_collapses(info, state, engine_args)
         if on_ready is not None:
             on_ready()
         try:
@@ -144,6 +138,17 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
     if config.enable_debug_endpoints:
         _add_debug_routes(app, auth)
     return app
+
+
+def _warn_if_admission_collapses(info, state: ServerState, engine_args: EngineArgs) -> None:
+    """The playbook's pitfall 1, at start-up: few requests fit the KV pool at the length they may grow to."""
+    warning = admission_warning(
+        pool_tokens=info.num_kv_blocks * info.block_size, max_model_len=info.max_model_len,
+        max_num_seqs=info.max_num_seqs, default_max_tokens=state.default_sampling.get("max_tokens"),
+        max_tokens_limit=state.config.max_tokens_limit, kv_reservation=engine_args.kv_reservation,
+        max_tokens_held=info.max_blocks_per_request and info.max_blocks_per_request * info.block_size)
+    if warning is not None:
+        logger.warning(warning)
 
 
 def _log_finished(report) -> None:
