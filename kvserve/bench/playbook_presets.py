@@ -13,7 +13,8 @@ class Preset:
     varied_prompt: int
     varied_max_output: int
     batch_seqs: int
-    """max_num_seqs of both sides (the static batch size)."""
+    """max_num_seqs of both sides (the static batch size): several batches' worth of requests, or static
+    batching admits them all at once and loses nothing."""
     # PagedAttention: paged vs contiguous at a fixed KV memory
     paged_requests: int
     paged_prompt: int
@@ -72,7 +73,7 @@ PRESETS = {
                    spec_requests=2, spec_prompt=16, spec_output=8, spec_concurrency=2,
                    lora_adapters=2, lora_requests=4, lora_output=4, lora_rank=4,
                    moe_hidden=64, moe_intermediate=32, moe_experts=8, moe_top_k=2, moe_batches="4", moe_repeat=2),
-    "quick": Preset("quick", varied_requests=32, varied_prompt=64, varied_max_output=256, batch_seqs=16,
+    "quick": Preset("quick", varied_requests=48, varied_prompt=64, varied_max_output=256, batch_seqs=8,
                     paged_requests=32, paged_prompt=64, paged_output=64, paged_max_model_len=2048, paged_slabs=4,
                     short_requests=8, short_prompt=32, short_output=96, long_requests=2, long_prompt=1024,
                     long_arrival_s=1.0,
@@ -83,7 +84,7 @@ PRESETS = {
                     lora_adapters=4, lora_requests=16, lora_output=32, lora_rank=16,
                     moe_hidden=1024, moe_intermediate=384, moe_experts=64, moe_top_k=8, moe_batches="1,16",
                     moe_repeat=5),
-    "full": Preset("full", varied_requests=96, varied_prompt=128, varied_max_output=512, batch_seqs=32,
+    "full": Preset("full", varied_requests=128, varied_prompt=128, varied_max_output=512, batch_seqs=16,
                    paged_requests=96, paged_prompt=128, paged_output=128, paged_max_model_len=4096, paged_slabs=4,
                    short_requests=16, short_prompt=64, short_output=192, long_requests=2, long_prompt=2000,
                    long_arrival_s=2.0,
