@@ -30,6 +30,8 @@ _BENCH = {
     "itl": ("kvserve.bench.itl", "the latency-aware step budget vs the fixed one (interference ITL, mixed tok/s), same run"),
     "sweep": ("kvserve.bench.sweep", "a server at several Poisson request rates: throughput vs latency, JSON and a PNG plot"),
     "sweep-plot": ("kvserve.bench.sweep_plot", "one serving-curve PNG from several `bench sweep` JSON files"),
+    "playbook": ("kvserve.bench.playbook", "the serving playbook's cost table (batching, PagedAttention, chunked "
+                 "prefill, prefix and prompt caching, speculation, multi-LoRA, MoE), each row measured in one run"),
     "moe": ("kvserve.bench.moe", "one MoE layer (Qwen3-30B-A3B's shape): kvserve's expert paths vs transformers' eager block, same run"),
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.kv_cache.quant import KV_CACHE_DTYPES
+from kvserve.kv_cache.reservation import KV_RESERVATIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """auto (the model's dtype), int8 or fp8_e4m3: K/V in one byte per element with per-token, per-head
     scales (kv_cache/quant.py)."""
+    kv_reservation: str = "paged"
+    """paged, or contiguous: max_model_len tokens of blocks set aside per request (kv_cache/reservation.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -35,5 +38,8 @@ class CacheConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.kv_reservation not in KV_RESERVATIONS:
+            raise ValueError(f"kv_reservation must be one of {', '.join(KV_RESERVATIONS)}, "
+                             f"got {self.kv_reservation!r}")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")

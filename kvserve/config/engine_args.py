@@ -24,6 +24,7 @@ from kvserve.config.quantization import QuantizationConfig
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.config.speculative import SpeculativeConfig
 from kvserve.kv_cache.quant import KV_CACHE_DTYPES
+from kvserve.kv_cache.reservation import KV_RESERVATIONS
 from kvserve.sample.sampler import DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES
 from kvserve.utils.cli_args import add_dataclass_args, dataclass_from_args
 from kvserve.utils.sizes import parse_size
@@ -102,6 +103,14 @@ class EngineArgs:
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "fcfs, or lpm: admit the waiting request with the longest cached prefix first (bounded wait)",
         "choices": ("fcfs", "lpm")})
+    static_batching: bool = field(default=False, metadata={
+        "help": "static batching: admit a batch together and admit nothing more until its last request ends "
+                "(the pre-Orca baseline; offline jobs of equal lengths); default: continuous batching"})
+    kv_reservation: str = field(default="paged", metadata={
+        "help": "paged: a request holds blocks as it grows (PagedAttention); contiguous: a request is admitted "
+                "only when --max-model-len tokens of blocks can be set aside for it, as engines did before "
+                "PagedAttention (same outputs, fewer requests at once)",
+        "choices": KV_RESERVATIONS})
     max_pinned_fraction: float = field(default=0.5, metadata={
         "help": "most of the KV pool that prompt-cache pins (cache_control) may hold; past it, new pins "
                 "are not made and requests still run"})
@@ -196,14 +205,15 @@ class EngineArgs:
     def _cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.gpu_memory_utilization,
                            self.num_gpu_blocks_override, self.enable_prefix_caching, self.max_pinned_fraction,
-                           self.kv_cache_dtype)
+                           self.kv_cache_dtype, self.kv_reservation)
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         batched = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             batched = max(batched, max_model_len)  # a whole prompt must fit one step
         return SchedulerConfig(self.max_num_seqs, batched, max_model_len, self.enable_chunked_prefill,
-                               self.scheduling_policy, self.long_prefill_token_threshold, self.target_itl_ms)
+                               self.scheduling_policy, self.long_prefill_token_threshold, self.target_itl_ms,
+                               self.static_batching)
 
     def default_sampling(self) -> dict:
         """SamplingParams defaults for the fields a request leaves unset (see config/generation.py)."""

@@ -23,6 +23,8 @@ class SchedulerConfig:
     target_itl_ms: float = 0.0
     """In a step that also decodes, prompt chunks are sized so the step's predicted time stays within this
     (scheduler/step_cost.py); 0: off, the token budget alone (EngineArgs turns it on by default)."""
+    static_batching: bool = False
+    """Admit a batch together and run it until its last request ends (scheduler/static_batch.py)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

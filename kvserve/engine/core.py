@@ -16,6 +16,7 @@ from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
 from kvserve.kv_cache.quant import dtype_name
+from kvserve.kv_cache.reservation import reserve_blocks
 from kvserve.kv_cache.window import window_blocks_bound
 from kvserve.kv_transfer.base import KVConnectorRole
 from kvserve.kv_transfer.factory import KVConnectorFactory, check_supported
@@ -71,7 +72,8 @@ class EngineCore:
         self.block_pool = BlockPool(num_blocks)
         cache = config.cache
         kv = KVCacheManager(self.block_pool, cache.block_size, cache.enable_prefix_caching,
-                            max_pinned_blocks=int(num_blocks * cache.max_pinned_fraction), sliding_window=window)
+                            max_pinned_blocks=int(num_blocks * cache.max_pinned_fraction), sliding_window=window,
+                            reserve_blocks=reserve_blocks(cache, config.model.max_model_len, num_blocks))
         spec = config.speculative
         policy = DraftLengthPolicy(spec.num_speculative_tokens, spec.adaptive) if spec else None
         self.scheduler = Scheduler(config.scheduler, kv, policy,

@@ -19,6 +19,7 @@ from typing import Hashable
 
 from kvserve.kv_cache.block_pool import BlockPool, KVBlock
 from kvserve.kv_cache.pins import PinTable
+from kvserve.kv_cache.reservation import Reservations
 from kvserve.kv_cache.window import first_live_block, longest_window_hit
 from kvserve.request import Request
 
@@ -39,10 +40,13 @@ class PrefixExplanation:
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool,
                  max_pinned_blocks: int | None = None, clock: Callable[[], float] = time.monotonic, *,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, reserve_blocks: int | None = None):
         """`sliding_window`: every layer attends through a window of at most this many positions, so blocks
         before a request's window are released while it runs (None: some layer reads every block). The KV
-        cache then needs one block past the pool's, block id `pool.num_blocks`: the null block."""
+        cache then needs one block past the pool's, block id `pool.num_blocks`: the null block.
+        `reserve_blocks`: contiguous reservation, each admitted request has this many blocks set aside
+        (kv_cache/reservation.py); None: paged."""
+        self.reservations = Reservations(reserve_blocks)
         self.pool = pool
         self.pins = PinTable(pool, pool.num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks, clock)
         self.block_size = block_size
@@ -105,8 +109,11 @@ class KVCacheManager:
         num_needed = -(-num_tokens // self.block_size) - len(table) - len(computed_blocks)
         # Touching an unreferenced cached block takes it off the free queue.
         num_available = self.pool.num_free_blocks - sum(1 for b in real if b.ref_count == 0)
-        if num_needed > num_available:
+        num_to_find = self.reservations.blocks_to_find(request.request_id, num_needed,
+                                                       len(table) + len(computed_blocks))
+        if num_to_find > num_available - self.reservations.set_aside(self._tables, request.request_id):
             return False
+        self.reservations.admit(request.request_id)
         self.pool.touch(real)
         self.pins.renew(real)
         table = self._tables.setdefault(request.request_id, [])
@@ -192,6 +199,7 @@ class KVCacheManager:
     def free(self, request: Request, finished: bool = True) -> None:
         """Release the request's blocks (tail first). A preempted request keeps its block keys."""
         table = self._tables.pop(request.request_id, [])
+        self.reservations.release(request.request_id)
         self.pool.release([b for b in table[::-1] if b is not self.null_block])
         self._num_registered.pop(request.request_id, None)
         if finished:
@@ -254,6 +262,7 @@ class KVCacheManager:
             assert b.ref_count == holders.get(b.block_id, 0), (
                 f"block {b.block_id}: ref_count {b.ref_count} but {holders.get(b.block_id, 0)} holders")
         assert self.pins.num_pinned <= self.pins.max_blocks
+        assert self.reservations.set_aside(self._tables) <= self.pool.num_free_blocks, "reserved blocks overdrawn"
         for bid in self.pins.holders():
             assert self.pool.blocks[bid].block_hash is not None, f"pinned block {bid} is not cached"
 

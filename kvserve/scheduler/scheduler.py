@@ -24,6 +24,7 @@ from kvserve.scheduler.diff import WorkerView, decodes_first
 from kvserve.scheduler.grammar import add_grammar_bitmask, advance_grammar, attach_grammar, valid_drafts
 from kvserve.scheduler.kv_connector import external_hit, first_invalid_block, load_error_message
 from kvserve.scheduler.policy import WaitingOrder
+from kvserve.scheduler.static_batch import StaticBatch
 from kvserve.scheduler.stats import SchedulerStats
 from kvserve.scheduler.step_cost import OnlineStepCost, StepCost
 from kvserve.scheduler.stop import append_until_stop
@@ -56,6 +57,8 @@ class Scheduler:
         if spec_policy is not None:
             self.stats.num_spec_accepted_per_pos = [0] * spec_policy.max_k
         self.order = WaitingOrder(config.policy, kv_manager)
+        self.batch = StaticBatch(config.static_batching, config.max_num_seqs)
+        """Static batching's gate (off by default: admission every step)."""
         self.worker_view = WorkerView()
         self._failed: list[Request] = []  # failed before they ran (a grammar that did not compile)
         self.kv_held: dict[str, Request] = {}
@@ -121,16 +124,20 @@ class Scheduler:
         requests with one query token ("decodes") come first in `num_scheduled_tokens`."""
         cfg = self.config
         self.kv.pins.expire()
-        sizer = ChunkSizer.for_step(cfg, self.step_cost, self.running)
+        self.batch.begin_step(self.running, self.waiting)
+        sizer = ChunkSizer.for_step(cfg, self.step_cost, self.batch.active(self.running))
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
         budget = self._schedule_running(sizer, cfg.max_num_batched_tokens, scheduled, preempted)
         # NOTE: no admissions in a step that preempted: the pool is short, and a new request would only
         # take the blocks the preempted one needs to come back.
-        if not preempted:
+        admitting = not preempted and self.batch.admission_open()
+        if admitting:
             self.order.reorder(self.waiting)
         held = self._hold_back_compiling()
-        admitted = self._admit(sizer, budget, scheduled) if not preempted else []
+        admitted = self._admit(sizer, budget, scheduled) if admitting else []
+        admitted_tokens = sum(n for _, n in scheduled[len(scheduled) - len(admitted):])
+        self.batch.after_admission(len(admitted), budget - admitted_tokens)
         self.order.after_admission(self.waiting, admitted)
         self.waiting.extendleft(reversed(held))
         decodes_first(scheduled)
@@ -154,6 +161,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self.batch.holds(req):
+                i += 1
+                continue
             if req.spec_token_ids:
                 spec.cap_drafts(req, self.config.max_model_len)
             num_new = sizer.size(req.num_computed_tokens, req.num_tokens_with_spec - req.num_computed_tokens,

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import kvserve
 from kvserve.config import EngineArgs
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.kv_cache.admission_check import admission_warning
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.metrics import ServerMetrics, log_stats_periodically
@@ -36,7 +37,7 @@ from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, D
 from kvserve.server.serving import ServerState, read_request
 from kvserve.server.serving_chat import create_chat_completion
 from kvserve.server.serving_completions import create_completion
-from kvserve.server.serving_debug import explain_prefix, prefix_cache_stats
+from kvserve.server.serving_debug import explain_prefix, prefix_cache_report, prefix_cache_stats
 from kvserve.server.serving_messages import count_tokens, create_message
 from kvserve.server.tool_parsers import resolve_tool_parser
 
@@ -101,6 +102,7 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
                     config.max_stop_string_length, config.max_messages, config.max_logit_bias,
                     config.max_tokens_limit or "up to max_model_len",
                     f"{config.request_timeout:g} s" if config.request_timeout else "none")
+        _warn_if_admission_collapses(info, state, engine_args)
         if on_ready is not None:
             on_ready()
         try:
@@ -138,6 +140,17 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
     return app
 
 
+def _warn_if_admission_collapses(info, state: ServerState, engine_args: EngineArgs) -> None:
+    """The playbook's pitfall 1, at start-up: few requests fit the KV pool at the length they may grow to."""
+    warning = admission_warning(
+        pool_tokens=info.num_kv_blocks * info.block_size, max_model_len=info.max_model_len,
+        max_num_seqs=info.max_num_seqs, default_max_tokens=state.default_sampling.get("max_tokens"),
+        max_tokens_limit=state.config.max_tokens_limit, kv_reservation=engine_args.kv_reservation,
+        max_tokens_held=info.max_blocks_per_request and info.max_blocks_per_request * info.block_size)
+    if warning is not None:
+        logger.warning(warning)
+
+
 def _log_finished(report) -> None:
     for out in report.outputs:
         if out.finished:
@@ -160,6 +173,10 @@ def _add_debug_routes(app: FastAPI, auth: list) -> None:
     @app.get("/debug/prefix-cache", dependencies=auth)
     async def debug_prefix_cache(request: Request) -> Response:
         return await prefix_cache_stats(_state(request))
+
+    @app.get("/debug/prefix-cache/report", dependencies=auth)
+    async def debug_prefix_cache_report(request: Request) -> Response:
+        return await prefix_cache_report(_state(request))
 
 
 def _add_routes(app: FastAPI, auth: list, metrics_auth: list) -> None:

@@ -34,8 +34,12 @@ class ServerConfig:
     require_api_key_for_metrics: bool = field(default=False, metadata={
         "help": "with --api-key, /metrics needs a key too"})
     enable_debug_endpoints: bool = field(default=False, metadata={
-        "help": "serve /debug/prefix-cache and /debug/prefix-cache/explain (they show snippets of other "
-                "clients' cached prompts)"})
+        "help": "serve /debug/prefix-cache, /debug/prefix-cache/explain and /debug/prefix-cache/report (they "
+                "show snippets of other clients' prompts)"})
+    prefix_report_interval: float = field(default=300.0, metadata={
+        "help": "seconds between log lines of the prefix-cache report (requests whose shared prefix a varying "
+                "date or id cuts short: GET /debug/prefix-cache/report); the varying text itself is logged only "
+                "with --log-requests; 0: off (the report then needs --enable-debug-endpoints)"})
     log_requests: bool = field(default=False, metadata={
         "help": "log each request's prompt, parameters and output text (never logged otherwise)"})
     trust_request_chat_template: bool = field(default=False, metadata={
@@ -88,7 +92,8 @@ class ServerConfig:
 
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_queue_len", "shutdown_timeout", "stats_interval", "request_timeout"):
+        for name in ("max_queue_len", "shutdown_timeout", "stats_interval", "request_timeout",
+                     "prefix_report_interval"):
             at_least(name, 0)
         for name in ("max_n", "max_tokens_limit", "max_stop_string_length", "max_messages"):
             at_least(name, 1)

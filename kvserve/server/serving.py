@@ -26,6 +26,7 @@ from kvserve.server.errors import APIError, from_validation_error
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.limits import check_sampling
 from kvserve.server.lora_registry import LoRARegistry
+from kvserve.server.prefix_report import RecentPrompts, build_report
 from kvserve.server.prompts import Prompt, TextLimit
 from kvserve.server.tool_parsers import TaggedJsonParser
 
@@ -58,6 +59,8 @@ class ServerState:
     """LoRA adapters by name (a request's `model` may name one)."""
     tool_parser: TaggedJsonParser | None = None
     """--tool-call-parser, resolved for the model (None: no parser known; tool_choice "auto" is refused)."""
+    recent_prompts: RecentPrompts = field(default_factory=RecentPrompts)
+    """The latest prompts, for the prefix-cache report (server/prefix_report.py)."""
     draining: bool = False
     """Set on SIGTERM: new requests get 503 while in-flight ones finish."""
     tokenizer_thread: ThreadPoolExecutor = field(
@@ -70,6 +73,27 @@ class ServerState:
         checks, streams of other requests) never waits on it."""
         return await asyncio.get_running_loop().run_in_executor(
             self.tokenizer_thread, functools.partial(fn, *args, **kwargs))
+
+    def prefix_report(self) -> dict:
+        """The prefix-cache report over the recent prompts (call off the event loop: it decodes)."""
+        decode = getattr(self.tokenizer, "decode", None)
+        return build_report(self.recent_prompts, self.engine.info.block_size, decode).to_dict()
+
+    def _record_prompts(self, prompts: list[Prompt]) -> None:
+        """Keep the prompts for the prefix-cache report; log the report when its interval is due."""
+        interval = self.config.prefix_report_interval
+        if not self.config.enable_debug_endpoints and interval <= 0:
+            return
+        for p in prompts:
+            self.recent_prompts.record(p.token_ids, p.text)
+        if self.recent_prompts.log_due(interval):
+            # NOTE: on the tokenizer thread (it decodes), not awaited: the request does not wait for the report.
+            asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, self._log_prefix_report)
+
+    def _log_prefix_report(self) -> None:
+        decode = getattr(self.tokenizer, "decode", None)
+        for d in build_report(self.recent_prompts, self.engine.info.block_size, decode).divergences[:3]:
+            logger.info(d.log_line(with_text=self.config.log_requests))
 
     def resolve_model(self, requested: str | None) -> str:
         """The model name to answer with (the base model or a LoRA adapter); 404 for one this server does not
@@ -118,6 +142,7 @@ class ServerState:
         if self.config.log_requests:
             for rid, p in zip(ids, prompts):
                 logger.info("request %s: prompt %r (token ids %s), params %s", rid, p.text, p.token_ids, params)
+        self._record_prompts(prompts)
         results = await asyncio.gather(
             *(engine.add_request(rid, p.token_ids, params, p.text, cache_pin, deadline, lora_request)
               for rid, p in zip(ids, prompts)),

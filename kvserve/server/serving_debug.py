@@ -2,6 +2,8 @@
 
     POST /debug/prefix-cache/explain  {"prompt": str | [ids]} or {"messages": [...]}  -> Engine.explain_prefix
     GET  /debug/prefix-cache                                                        -> Engine.prefix_cache_stats
+    GET  /debug/prefix-cache/report  -> recent prompts whose shared prefix a varying span cuts short
+                                        (server/prefix_report.py; answered by the server process)
 
 The engine may live in another process, so both go through the AsyncEngine's query messages and are
 answered between two steps. NOTE: explain shows snippets of cached text, which may come from other
@@ -48,3 +50,8 @@ async def prefix_cache_stats(state: ServerState) -> JSONResponse:
         return JSONResponse(await state.engine.prefix_cache_stats())
     except Exception as e:
         raise stream_error(e) from None
+
+
+async def prefix_cache_report(state: ServerState) -> JSONResponse:
+    """Answered in the server process, from the prompts it saw (the engine is not asked)."""
+    return JSONResponse(await state.off_loop(state.prefix_report))
