@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from kvserve.config.cache import CacheConfig
 from kvserve.config.device import DeviceConfig
+from kvserve.config.kv_events import KVEventsConfig
 from kvserve.config.load import LoadConfig
 from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
@@ -32,6 +33,8 @@ class EngineConfig:
     """The target model's weight-only quantization (the draft model stays unquantized)."""
     seed: int = 0
     """Seed of the default generator that unseeded requests draw from."""
+    kv_events: KVEventsConfig | None = None
+    """--kv-events-config: publish what enters and leaves the prefix cache; None: off."""
 
     @property
     def kv_release_window(self) -> int | None:

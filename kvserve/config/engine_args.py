@@ -15,6 +15,7 @@ from kvserve.config.cache import CacheConfig
 from kvserve.config.device import DeviceConfig
 from kvserve.config.engine import EngineConfig
 from kvserve.config.generation import default_sampling, parse_override
+from kvserve.config.kv_events import KVEventsConfig
 from kvserve.config.load import LoadConfig
 from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
@@ -150,6 +151,11 @@ class EngineArgs:
         "choices": DISTRIBUTED_EXECUTOR_BACKENDS})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice"})
+    kv_events_config: str | dict | None = field(default=None, metadata={
+        "help": "KV events (what enters and leaves the prefix cache, for a cache-aware router), a JSON object "
+                "as in vLLM's flag: {\"enable_kv_cache_events\": true, \"publisher\": \"http\" | \"zmq\" | "
+                "\"null\", \"buffer_steps\": N, ...}; served at GET /kv_events (\"zmq\" too: docs/SCALING.md); "
+                "default: off"})
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -163,6 +169,7 @@ class EngineArgs:
         # NOTE: the configs that need no checkpoint validate themselves now, so a bad flag fails at once.
         SpeculativeConfig.parse(self.speculative_config)
         parse_override(self.override_generation_config)
+        KVEventsConfig.parse(self.kv_events_config)
         self._cache_config()
         self._scheduler_config(max_model_len=self.max_model_len or 1)
         self._lora_config()
@@ -236,7 +243,8 @@ class EngineArgs:
             draft_model=draft,
             lora=self._lora_config(),
             quantization=quantization,
-            seed=self.seed)
+            seed=self.seed,
+            kv_events=KVEventsConfig.parse(self.kv_events_config))
 
     # ---- CLI generation -------------------------------------------------------------------
     @classmethod

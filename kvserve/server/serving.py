@@ -58,6 +58,8 @@ class ServerState:
     """LoRA adapters by name (a request's `model` may name one)."""
     tool_parser: TaggedJsonParser | None = None
     """--tool-call-parser, resolved for the model (None: no parser known; tool_choice "auto" is refused)."""
+    kv_events: object | None = None
+    """--kv-events-config: the KVEventFeed behind GET /kv_events (server/kv_events.py); None: off."""
     draining: bool = False
     """Set on SIGTERM: new requests get 503 while in-flight ones finish."""
     tokenizer_thread: ThreadPoolExecutor = field(
