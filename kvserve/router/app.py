@@ -99,11 +99,14 @@ async def _start(state: RouterState, client: httpx.AsyncClient) -> None:
                 follow_events(worker.url, blocks, client, config.health_check_interval_secs)))
 
 
-def build_router_app(config: RouterConfig, on_ready: Callable[[], None] | None = None) -> FastAPI:
+def build_router_app(config: RouterConfig, on_ready: Callable[[], None] | None = None, *,
+                     transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """transport: how the router reaches its workers (tests: in process); default: the network."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_secs, connect=5.0),
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                                   transport=transport)
         pool = WorkerPool.of(list(config.worker), config.health_config())
         policy = make_policy(config)
         pool.on_down.append(policy.forget)

@@ -69,7 +69,7 @@ class Forwarder:
             await response.aclose()
             done()
             raise _WorkerGone(f"{path} answered 503")
-        chunks = response.aiter_raw()
+        chunks = response.aiter_bytes()  # decoded: content-encoding is not passed on
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:

@@ -104,6 +104,7 @@ def test_bad_requests_and_no_worker_are_openai_errors(workers, tmp_path):
         router.stop()
 
 
+@pytest.mark.slow  # a worker restart; the same faults in process, fast: tests/server/test_router_app.py
 def test_a_killed_worker_is_routed_around_and_its_return_noticed(workers, tiny_llama, tmp_path):
     router = start_router([w.base_url for w in workers], tmp_path / "router.log", "--policy", "round_robin",
                           *FAST_HEALTH)
