@@ -3,11 +3,15 @@ defaults for the cache-aware ones) and `--host`/`--port` as on `kvserve serve`."
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvserve.router.policies import POLICIES, BalanceRule
 from kvserve.router.workers import HealthConfig
 from kvserve.utils.cli_args import add_dataclass_args, dataclass_from_args
+
+
+def _field_help(cls, name: str) -> str:
+    return next(f.metadata["help"] for f in fields(cls) if f.name == name)
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,10 @@ class RouterConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_dataclass_args(cls, parser)
+        # NOTE: --worker-urls is sglang-router's and vllm-router's name for the same list.
+        parser.add_argument("--worker", "--worker-urls", dest="worker", nargs="+", action="extend", default=None,
+                            help=_field_help(cls, "worker"))
+        add_dataclass_args(cls, parser, exclude=("worker",))
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "RouterConfig":
