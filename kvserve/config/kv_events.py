@@ -9,9 +9,10 @@ to /kv_events too: endpoint, replay_endpoint, hwm and topic are then unused (doc
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from kvserve.config.json_flag import json_object
 
 PUBLISHERS = ("null", "http", "zmq")
 
@@ -54,19 +55,7 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, value: "KVEventsConfig | dict[str, Any] | str | None") -> "KVEventsConfig | None":
         """From a dict, a JSON object string (the CLI flag) or None / "" (off). Unknown keys are an error."""
-        if value is None or isinstance(value, cls):
+        if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-events-config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown kv_events_config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        value = json_object(value, cls, "kv_events_config")
+        return None if value is None else cls(**value)

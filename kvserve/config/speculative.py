@@ -8,9 +8,10 @@ from its acceptance and the measured cost of scoring tokens (spec_decode/policy.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from kvserve.config.json_flag import json_object
 
 METHODS = ("ngram", "draft_model")
 
@@ -51,21 +52,11 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
         """From a dict (LLM kwargs), a JSON object string (the CLI flag) or None / "" / "none" (off)."""
-        if value is None or isinstance(value, cls):
+        if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            if value.strip().lower() in ("", "none", "null", "off"):
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        value = json_object(value, cls, "speculative_config")
+        if value is None:
+            return None
         if "method" not in value:
             raise ValueError(f"speculative_config needs a 'method': one of {', '.join(METHODS)}")
         return cls(**value)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from tests.helpers.server import stop_server
 
 
 @dataclass
@@ -26,13 +27,8 @@ class Router:
         return httpx.get(f"{self.base_url}/workers", timeout=10).json()["workers"]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
+        """SIGTERM, then the exit status (as stop_server does for `kvserve serve`)."""
+        return stop_server(self)
 
 
 def start_router(worker_urls: list[str], log_path: Path, *flags: str, timeout: float = 60.0) -> Router:
