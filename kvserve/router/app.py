@@ -3,7 +3,8 @@
     POST /v1/completions, /v1/chat/completions   routed by the policy, answered (streamed) as the worker answers
     GET  /v1/models                              a healthy worker's
     GET  /health                                 200 while some worker is healthy, else 503
-    GET  /workers                                each worker's URL, health and in-flight requests
+    GET  /workers                                each worker's URL, health, in-flight requests (and, precise:
+                                                 how many of its cached blocks the router knows of)
 
 Background tasks: the health polls, the prefix trees' pruning (cache_aware) and one KV-event follower per
 worker (precise). Errors are OpenAI error JSON: 503 when no worker is healthy, 502 when every one tried failed.
@@ -179,6 +180,8 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/workers")
     async def workers(request: Request) -> JSONResponse:
         state = _state(request)
+        blocks = getattr(state.policy, "blocks", {})
         return JSONResponse({"policy": state.config.policy, "workers": [
-            {"url": w.url, "healthy": w.healthy, "load": w.load, "num_requests_total": w.num_requests_total}
+            {"url": w.url, "healthy": w.healthy, "load": w.load, "num_requests_total": w.num_requests_total,
+             **({"num_cached_blocks": len(blocks[w.url].hashes)} if w.url in blocks else {})}
             for w in state.pool.workers]})

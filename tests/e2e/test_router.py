@@ -77,6 +77,8 @@ def test_every_policy_answers_as_one_engine(policy, workers, reference, tmp_path
         assert all(w["load"] == 0 for w in router.workers())
         if policy in ("round_robin", "power_of_two"):
             assert min(counts) > 0, counts
+        if policy == "precise":  # the router learned the workers' blocks from their KV events
+            assert sum(w["num_cached_blocks"] for w in router.workers()) > 0
         models = httpx.get(f"{router.base_url}/v1/models", timeout=10).json()
         assert models["data"][0]["id"]
         stream = _stream(router.base_url)
