@@ -39,3 +39,24 @@ def test_kv_events_are_off_by_default(tiny_llama):
         with srv.http() as http:
             answer = http.get("/kv_events")
             assert answer.status_code == 404 and answer.json()["error"]["code"] == "kv_events_disabled"
+
+
+def test_a_router_applying_every_event_knows_exactly_what_a_small_pool_holds(tiny_llama):
+    """Under eviction pressure (a pool of 12 blocks), the hashes a router learns from /kv_events are exactly
+    the blocks the engine's prefix cache holds: as many, and every prompt's stored hashes among them or
+    removed since."""
+    from kvserve.router.blocks import WorkerBlocks
+
+    for srv in in_process(tiny_llama[0], "--stats-interval", "0", "--enable-debug-endpoints",
+                          "--num-gpu-blocks-override", "12", "--kv-events-config", '{"enable_kv_cache_events": true}'):
+        with srv.http() as http:
+            view = WorkerBlocks()
+            for i in range(6):
+                prompt = [1000 + 50 * i + j for j in range(2 * BLOCK + 3)]
+                assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+                view.apply(http.get("/kv_events", params={"since": view.next_seq}).json())
+            stats = http.get("/debug/prefix-cache").json()
+            assert stats["evictions"] > 0
+            assert len(view.hashes) == stats["cached_blocks"]
+            last = [hash_block_key(k) for k in block_keys([1000 + 250 + j for j in range(2 * BLOCK + 3)], BLOCK)]
+            assert view.num_prefix_blocks(last, now=0.0) == 2
