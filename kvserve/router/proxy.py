@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from kvserve.router.policies import RoutingKey
 from kvserve.router.workers import Worker, WorkerPool
@@ -83,8 +84,9 @@ class Forwarder:
             done()
             raise
         media_type = response.headers.get("content-type")
+        # NOTE: the background task also runs when the client left before the relay started (its finally never runs).
         return StreamingResponse(self._relay(first, chunks, response, done, worker), status_code=response.status_code,
-                                 media_type=media_type)
+                                 media_type=media_type, background=BackgroundTask(_close, response, done))
 
     async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], response: httpx.Response, done,
                      worker: Worker) -> AsyncIterator[bytes]:
@@ -102,3 +104,8 @@ class Forwarder:
         finally:
             await response.aclose()
             done()
+
+
+async def _close(response: httpx.Response, done: Callable[[], None]) -> None:
+    await response.aclose()
+    done()

@@ -123,3 +123,10 @@ def test_bodies_that_are_not_json_objects_are_400(workers):
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         assert sum(workers.completions.values()) == 0
         assert client.get("/v1/models").json()["data"][0]["id"] == "m"
+
+
+def test_a_client_leaving_mid_stream_frees_the_workers_load(workers):
+    with _router(workers) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        _wait(lambda: all(w["load"] == 0 for w in client.get("/workers").json()["workers"]), "load back to 0")
