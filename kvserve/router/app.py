@@ -65,7 +65,8 @@ async def _load_tokenizer(config: RouterConfig, pool: WorkerPool, client: httpx.
     source = config.tokenizer
     for worker in ([] if source else pool.healthy()):
         try:
-            source = (await client.get(f"{worker.url}/v1/models", timeout=10)).json()["data"][0]["root"]
+            source = (await client.get(f"{worker.url}/v1/models", headers=config.worker_headers(),
+                                       timeout=10)).json()["data"][0]["root"]
             break
         except (httpx.HTTPError, ValueError, KeyError, IndexError):
             continue
@@ -97,7 +98,7 @@ async def _start(state: RouterState, client: httpx.AsyncClient) -> None:
         for worker in pool.workers:
             blocks = policy.blocks.setdefault(worker.url, WorkerBlocks())
             state.tasks.append(asyncio.create_task(
-                follow_events(worker.url, blocks, client, config.health_check_interval_secs)))
+                follow_events(worker.url, blocks, client, config.health_check_interval_secs, config.worker_headers())))
 
 
 def build_router_app(config: RouterConfig, on_ready: Callable[[], None] | None = None, *,

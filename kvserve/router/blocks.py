@@ -78,16 +78,24 @@ class WorkerBlocks:
         return n
 
 
-async def follow_events(url: str, blocks: WorkerBlocks, client: httpx.AsyncClient, retry_s: float) -> None:
-    """Long-poll a worker's /kv_events forever, applying each answer; on an error, wait retry_s and go on."""
+async def follow_events(url: str, blocks: WorkerBlocks, client: httpx.AsyncClient, retry_s: float,
+                        headers: dict[str, str] | None = None) -> None:
+    """Long-poll a worker's /kv_events forever, applying each answer; on an error, wait retry_s and go on.
+    A worker that refuses (no --kv-events-config, a wrong --api-key) is logged once per distinct answer."""
+    last_error = None
     while True:
         try:
             response = await client.get(f"{url}/kv_events", params={"since": blocks.next_seq,
                                                                      "timeout": _POLL_TIMEOUT_S},
-                                        timeout=_POLL_TIMEOUT_S + 5)
+                                        headers=headers, timeout=_POLL_TIMEOUT_S + 5)
             if response.status_code != 200:
-                raise RuntimeError(f"/kv_events answered {response.status_code}: {response.text[:200]}")
+                error = f"/kv_events answered {response.status_code}: {response.text[:200]}"
+                if error != last_error:
+                    logger.warning("no KV events from %s (precise routing sees none of its cache): %s", url, error)
+                last_error = error
+                raise RuntimeError(error)
             blocks.apply(response.json())
+            last_error = None
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the worker is down or restarting: the health checks say which

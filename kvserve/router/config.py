@@ -49,6 +49,9 @@ class RouterConfig:
                 "takes it out at once)"})
     health_success_threshold: int = field(default=2, metadata={
         "help": "good polls in a row that bring a worker back"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "the workers' --api-key, for the router's own calls (/kv_events, /v1/models); clients' requests "
+                "are forwarded with their own Authorization header"})
     request_timeout_secs: float = field(default=1800.0, metadata={
         "help": "longest wait for a worker's answer (or for its stream's next chunk)"})
 
@@ -71,6 +74,9 @@ class RouterConfig:
         if not self.request_timeout_secs > 0:
             raise ValueError("--request-timeout-secs must be > 0")
         self.health_config()
+
+    def worker_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def balance(self) -> BalanceRule:
         return BalanceRule(self.balance_abs_threshold, self.balance_rel_threshold)

@@ -238,3 +238,32 @@ def test_router_flags_are_validated():
     with pytest.raises(ValueError, match="balance-rel-threshold"):
         RouterConfig(worker=("http://a",), balance_rel_threshold=0.5)
     assert RouterConfig(worker=("http://a",)).policy == "cache_aware"
+
+
+def test_the_event_follower_sends_the_key_and_applies_answers_after_a_refusal():
+    import asyncio
+
+    import httpx
+
+    from kvserve.router.blocks import follow_events
+
+    answers = [httpx.Response(401, json={"error": {"message": "bad key"}}),
+               httpx.Response(200, json=_answer("i0", 1, _stored(list(range(8)))))]
+    seen_headers = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen_headers.append(request.headers.get("authorization"))
+        await asyncio.sleep(0.01)  # as a long poll waits: an instant answer would never yield to the loop
+        return answers.pop(0) if answers else httpx.Response(200, json=_answer("i0", 1))
+
+    async def run() -> WorkerBlocks:
+        blocks = WorkerBlocks()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            task = asyncio.create_task(follow_events("http://w0", blocks, client, 0.01, {"Authorization": "Bearer k"}))
+            while len(blocks.hashes) < 2:
+                await asyncio.sleep(0.01)
+            task.cancel()
+        return blocks
+
+    blocks = asyncio.run(asyncio.wait_for(run(), 10))
+    assert blocks.next_seq >= 1 and seen_headers[0] == "Bearer k"
