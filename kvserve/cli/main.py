@@ -12,6 +12,7 @@ from kvserve.utils.cli_help import DefaultsHelpFormatter
 _COMMANDS = {
     "serve": ("kvserve.server.cli", "serve the OpenAI-compatible HTTP API"),
     "generate": ("kvserve.cli.generate", "generate completions offline (prompts from arguments or a JSONL file)"),
+    "router": ("kvserve.router.cli", "route OpenAI requests over several `kvserve serve` workers by load and prefix cache"),
     "kv-calc": ("kvserve.cli.kv_calc",
                 "KV-cache memory calculator (reads only the model config, or takes the shape as flags)"),
 }

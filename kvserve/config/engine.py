@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from kvserve.config.cache import CacheConfig
 from kvserve.config.device import DeviceConfig
 from kvserve.config.kv_transfer import KVTransferConfig
+from kvserve.config.kv_events import KVEventsConfig
 from kvserve.config.load import LoadConfig
 from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
@@ -35,6 +36,8 @@ class EngineConfig:
     """Seed of the default generator that unseeded requests draw from."""
     kv_transfer: KVTransferConfig | None = None
     """--kv-transfer-config: the KV connector (kv_transfer/); None: none."""
+    kv_events: KVEventsConfig | None = None
+    """--kv-events-config: publish what enters and leaves the prefix cache; None: off."""
 
     @property
     def kv_release_window(self) -> int | None:

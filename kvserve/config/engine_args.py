@@ -16,6 +16,7 @@ from kvserve.config.device import DeviceConfig
 from kvserve.config.engine import EngineConfig
 from kvserve.config.generation import default_sampling, parse_override
 from kvserve.config.kv_transfer import KVTransferConfig
+from kvserve.config.kv_events import KVEventsConfig
 from kvserve.config.load import LoadConfig
 from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
@@ -167,6 +168,11 @@ class EngineArgs:
                 "\"kv_both\", \"kv_connector_extra_config\": {...}, \"kv_load_failure_policy\": \"recompute\" | "
                 "\"fail\", \"kv_connector_module_path\": .., \"kv_rank\", \"kv_parallel_size\", \"kv_ip\", "
                 "\"kv_port\", \"engine_id\": ..}; unknown keys are an error; default: none"})
+    kv_events_config: str | dict | None = field(default=None, metadata={
+        "help": "KV events (what enters and leaves the prefix cache, for a cache-aware router), a JSON object "
+                "as in vLLM's flag: {\"enable_kv_cache_events\": true, \"publisher\": \"http\" | \"zmq\" | "
+                "\"null\", \"buffer_steps\": N, ...}; served at GET /kv_events (\"zmq\" too: docs/SCALING.md); "
+                "default: off"})
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -181,6 +187,7 @@ class EngineArgs:
         SpeculativeConfig.parse(self.speculative_config)
         parse_override(self.override_generation_config)
         KVTransferConfig.parse(self.kv_transfer_config)
+        KVEventsConfig.parse(self.kv_events_config)
         self._cache_config()
         self._scheduler_config(max_model_len=self.max_model_len or 1)
         self._lora_config()
@@ -257,6 +264,7 @@ class EngineArgs:
             quantization=quantization,
             seed=self.seed,
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config))
+            kv_events=KVEventsConfig.parse(self.kv_events_config))
 
     # ---- CLI generation -------------------------------------------------------------------
     @classmethod

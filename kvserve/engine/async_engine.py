@@ -23,7 +23,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.config import EngineArgs
 from kvserve.engine.core import EngineInfo
@@ -43,6 +43,7 @@ from kvserve.engine.engine_loop import (
 from kvserve.engine.lora_checker import AdapterChecker
 from kvserve.engine.output_processor import IterationStats, OutputProcessor
 from kvserve.engine.processor import Processor, eos_token_ids
+from kvserve.kv_cache.events import KVEvent
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
@@ -78,6 +79,8 @@ class StepReport:
     outputs: list[RequestOutput]
     stats: EngineStats
     iteration: IterationStats
+    kv_events: list[KVEvent] = field(default_factory=list)
+    """What entered and left the prefix cache (--kv-events-config; else empty)."""
 
 
 # ---- the asyncio side ---------------------------------------------------------------------------
@@ -370,7 +373,7 @@ class AsyncEngine:
             stream._queue.put_nowait(out)
             if out.finished:
                 self._forget(out.request_id)
-        report = StepReport(processed.request_outputs, step.stats, processed.stats)
+        report = StepReport(processed.request_outputs, step.stats, processed.stats, step.kv_events)
         for listener in self._listeners:
             listener(report)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvserve.config.engine import EngineConfig
 from kvserve.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.kv_cache.block_pool import BlockPool
+from kvserve.kv_cache.events import KVEvent, KVEventRecorder
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.manager import KVCacheManager, PrefixExplanation
 from kvserve.kv_cache.quant import dtype_name
@@ -69,8 +70,11 @@ class EngineCore:
         window = config.kv_release_window
         if window is not None:
             num_blocks -= 1  # the cache's last block is the manager's null block (released table entries)
-        self.block_pool = BlockPool(num_blocks)
         cache = config.cache
+        events = config.kv_events
+        self.kv_events = KVEventRecorder(cache.block_size) if events is not None and events.enabled else None
+        """--kv-events-config: the pool's cache changes since the last drain (drain_kv_events)."""
+        self.block_pool = BlockPool(num_blocks, events=self.kv_events)
         kv = KVCacheManager(self.block_pool, cache.block_size, cache.enable_prefix_caching,
                             max_pinned_blocks=int(num_blocks * cache.max_pinned_fraction), sliding_window=window,
                             reserve_blocks=reserve_blocks(cache, config.model.max_model_len, num_blocks))
@@ -159,6 +163,10 @@ class EngineCore:
         outputs = self.scheduler.update(sched_out, runner_out)
         aborted, self._aborted = self._aborted, []
         return aborted + outputs
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """The KV events since the last call (none unless --kv-events-config enables them)."""
+        return self.kv_events.drain() if self.kv_events is not None else []
 
     # ---- read-only questions ------------------------------------------------------------------------
     def explain_prefix(self, token_ids: list[int], lora_int_id: int = 0) -> PrefixExplanation:

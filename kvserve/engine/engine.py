@@ -36,6 +36,8 @@ class Engine:
         self.processor = Processor(self.tokenizer, self.core.info,
                                    eos_token_ids(self.config.model.hf_config, self.tokenizer), adapters)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_kv_events: list = []
+        """--kv-events-config: what the last step put into and took out of the prefix cache."""
 
     # ---- what callers read ---------------------------------------------------------------------------
     @property
@@ -126,6 +128,7 @@ class Engine:
         request (sampling, detokenization, stop strings) fails that request alone (finish_reason "error");
         a failure of the forward pass raises."""
         processed = self.output_processor.process(self.core.step())
+        self.last_kv_events = self.core.drain_kv_events()  # NOTE: drained every step, so they never pile up
         if processed.reqs_to_abort:
             self.core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs

@@ -19,11 +19,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.config import EngineArgs
 from kvserve.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.engine.core import EngineCore, EngineInfo
+from kvserve.kv_cache.events import KVEvent
 from kvserve.utils.memory import resident_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class QueryResult:
 class CoreStep:
     outputs: list[EngineCoreOutput]
     stats: EngineStats
+    kv_events: list[KVEvent] = field(default_factory=list)
+    """What entered and left the prefix cache in this step (--kv-events-config; else empty)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ class EngineLoop:
                 outputs = core.step()
                 self._busy_s += time.perf_counter() - start
                 self._num_steps += 1
-                self._emit(CoreStep(failed + outputs, self.stats()))
+                self._emit(CoreStep(failed + outputs, self.stats(), core.drain_kv_events()))
             elif failed:
                 self._emit(CoreStep(failed, self.stats()))
 

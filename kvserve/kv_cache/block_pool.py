@@ -6,12 +6,16 @@ Every block is in exactly one of three states:
   - free:    ref_count == 0 and no hash.
 Cached and free blocks both sit in one LRU queue; allocation takes from its front and evicts a cached
 block's hash as it reuses it, so cached blocks live exactly until the pool needs them.
+
+With a KVEventRecorder, every block that enters or leaves the cache is reported (kv_cache/events.py).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable
+
+from kvserve.kv_cache.events import KVEventRecorder
 
 
 @dataclass(eq=False)
@@ -22,7 +26,7 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, *, events: KVEventRecorder | None = None):
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -31,6 +35,7 @@ class BlockPool:
         self._free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[Hashable, KVBlock] = {}
         self.num_evictions = 0
+        self.events = events
 
     # ---- queries ------------------------------------------------------------------------
     @property
@@ -69,6 +74,8 @@ class BlockPool:
             _, block = self._free_queue.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_count = 1
@@ -102,6 +109,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash)
 
     def reset_cache(self) -> int:
         """Forget every unreferenced cached block; returns how many were dropped."""
@@ -109,8 +118,12 @@ class BlockPool:
         for block in self._free_queue.values():
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
                 block.block_hash = None
                 dropped += 1
+        if dropped and not self._cached and self.events is not None:
+            self.events.cleared()
         return dropped
 
     # ---- invariants ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Hashable
 
+from kvserve.kv_cache.block_hash import extend_block_keys, hash_block_key
 from kvserve.kv_cache.block_pool import BlockPool, KVBlock
 from kvserve.kv_cache.pins import PinTable
 from kvserve.kv_cache.reservation import Reservations
@@ -63,7 +64,7 @@ class KVCacheManager:
 
     def _block_keys(self, request: Request, num_full_blocks: int) -> list[Hashable]:
         keys = self._hashes.setdefault(request.request_id, [])
-        _extend_keys(keys, request.token_slice, num_full_blocks, self.block_size, extra_key(request))
+        extend_block_keys(keys, request.token_slice, num_full_blocks, self.block_size, extra_key(request))
         return keys
 
     # ---- admission ----------------------------------------------------------------------
@@ -176,7 +177,7 @@ class KVCacheManager:
         bs = self.block_size
         keys: list[Hashable] = []
         extra = block_extra_key(cache_salt, lora_int_id)
-        _extend_keys(keys, lambda a, b: token_ids[a:b], len(token_ids) // bs, bs, extra)
+        extend_block_keys(keys, lambda a, b: token_ids[a:b], len(token_ids) // bs, bs, extra)
         max_admitted = (len(token_ids) - 1) // bs
         if self.sliding_window is not None:
             hit, admitted = len(self._window_hit(keys)), len(self._window_hit(keys[:max_admitted])) * bs
@@ -185,7 +186,7 @@ class KVCacheManager:
             while hit < len(keys) and self.pool.lookup(keys[hit]) is not None:
                 hit += 1
             admitted = min(hit, max_admitted) * bs
-        parent = hash(keys[hit - 1]) if hit else None
+        parent = hash_block_key(keys[hit - 1]) if hit else None
         rest = token_ids[hit * bs:(hit + 1) * bs]
         best, continuation = 0, None
         for key in self.pool.cached_keys():
@@ -289,11 +290,3 @@ def block_extra_key(cache_salt: str | None, lora_int_id: int) -> Hashable:
     same whether or not LoRA is enabled."""
     return cache_salt if not lora_int_id else (cache_salt, lora_int_id)
 
-
-def _extend_keys(keys: list[Hashable], token_slice: Callable[[int, int], list[int]], num_full_blocks: int,
-                 block_size: int, salt: str | None) -> None:
-    """Append chained block keys (parent hash, tokens, salt) until keys covers num_full_blocks."""
-    while len(keys) < num_full_blocks:
-        i = len(keys)
-        parent = hash(keys[-1]) if keys else None
-        keys.append((parent, tuple(token_slice(i * block_size, (i + 1) * block_size)), salt))

@@ -20,9 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import kvserve
 from kvserve.config import EngineArgs
+from kvserve.config.kv_events import KVEventsConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.kv_cache.admission_check import admission_warning
 from kvserve.server.config import ServerConfig
+from kvserve.server.kv_events import KVEventFeed
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.metrics import ServerMetrics, log_stats_periodically
 from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -76,6 +78,11 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
                             tool_parser=resolve_tool_parser(config.tool_call_parser,
                                                             getattr(engine.tokenizer, "chat_template", None)))
         app.state.kvserve = state
+        events_config = KVEventsConfig.parse(engine_args.kv_events_config)
+        if events_config is not None and events_config.enabled:
+            state.kv_events = KVEventFeed(events_config, info.block_size)
+            engine.add_listener(state.kv_events.on_step)
+            logger.info("KV events: GET /kv_events (publisher %s)", events_config.publisher or "http")
         try:
             for name, path in parse_lora_modules(config.lora_modules):
                 await state.loras.load(name, path, names, lambda r: state.off_loop(engine.check_lora, r))
@@ -253,6 +260,14 @@ def _add_routes(app: FastAPI, auth: list, metrics_auth: list) -> None:
         if s.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         return Response(status_code=200)
+
+    @app.get("/kv_events", dependencies=auth)
+    async def kv_events(request: Request, since: int = 0, timeout: float = 0.0) -> Response:
+        s = _state(request)
+        if s.kv_events is None:
+            raise APIError(404, "KV events are off (start the server with --kv-events-config "
+                                "'{\"enable_kv_cache_events\": true}')", code="kv_events_disabled")
+        return await s.kv_events.answer(since, timeout)
 
     @app.get("/metrics", dependencies=metrics_auth)
     async def metrics(request: Request) -> Response:

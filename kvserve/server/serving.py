@@ -61,6 +61,8 @@ class ServerState:
     """--tool-call-parser, resolved for the model (None: no parser known; tool_choice "auto" is refused)."""
     recent_prompts: RecentPrompts = field(default_factory=RecentPrompts)
     """The latest prompts, for the prefix-cache report (server/prefix_report.py)."""
+    kv_events: object | None = None
+    """--kv-events-config: the KVEventFeed behind GET /kv_events (server/kv_events.py); None: off."""
     draining: bool = False
     """Set on SIGTERM: new requests get 503 while in-flight ones finish."""
     tokenizer_thread: ThreadPoolExecutor = field(

@@ -1,0 +1,57 @@
+"""`kvserve router` in a subprocess for tests (tests/e2e/test_router.py), as tests/helpers/server.py starts
+`kvserve serve`: on a free port, returning once it announces where it routes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.helpers.server import stop_server
+
+
+@dataclass
+class Router:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def workers(self) -> list[dict]:
+        return httpx.get(f"{self.base_url}/workers", timeout=10).json()["workers"]
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit status (as stop_server does for `kvserve serve`)."""
+        return stop_server(self)
+
+
+def start_router(worker_urls: list[str], log_path: Path, *flags: str, timeout: float = 60.0) -> Router:
+    cmd = [sys.executable, "-m", "kvserve.cli.main", "router", "--port", "0",
+           *[a for url in worker_urls for a in ("--worker", url)], *flags]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}:\n{log_path.read_text()}")
+        text = log_path.read_text(errors="replace")
+        if "routing on " in text:
+            return Router(proc, text.split("routing on ", 1)[1].split()[0], log_path)
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"router not ready after {timeout}s:\n{log_path.read_text()}")
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout}s: {what}")
