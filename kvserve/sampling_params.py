@@ -70,7 +70,7 @@ class StructuredOutputsParams:
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be true or false, got {self.json_object!r}")
         if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
-            raise ValueError(f"structured_outputs.structural_tag must be an object or a string")
+            raise ValueError("structured_outputs.structural_tag must be an object or a string")
 
     @property
     def kind(self) -> str:

@@ -263,7 +263,7 @@ class EngineArgs:
             lora=self._lora_config(),
             quantization=quantization,
             seed=self.seed,
-            kv_transfer=KVTransferConfig.parse(self.kv_transfer_config))
+            kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
             kv_events=KVEventsConfig.parse(self.kv_events_config))
 
     # ---- CLI generation -------------------------------------------------------------------
