@@ -11,7 +11,8 @@ import torch
 from kvserve.config import EngineArgs
 from kvserve.config.model import resolve_dtype
 from kvserve.engine.engine import Engine
-from kvserve.layers.linear_methods import DenseMethod, default_method
+from kvserve.layers.linear_methods import default_method
+from kvserve.layers.quant.bf16 import Bf16WidenMethod
 from kvserve.utils import cpu_features
 from kvserve.utils.cpu_isa import supported_isas
 
@@ -35,4 +36,5 @@ def test_forced_avx2_chooses_as_an_avx2_cpu(monkeypatch):
     monkeypatch.setenv("KVSERVE_CPU_ISA", "avx2")
     assert not cpu_features.native_bf16()
     assert resolve_dtype("auto", CPU, torch.bfloat16) == torch.float32
-    assert isinstance(default_method(CPU, torch.bfloat16), DenseMethod)   # no oneDNN bf16 matmul
+    # bf16 weights kept, products in fp32: no emulated bf16 matmul (layers/quant/bf16.py)
+    assert isinstance(default_method(CPU, torch.bfloat16), Bf16WidenMethod)
