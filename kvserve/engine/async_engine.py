@@ -46,6 +46,7 @@ from kvserve.engine.processor import Processor, eos_token_ids
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.utils.startup_clock import PhaseTimes
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,8 @@ class AsyncEngine:
         """--generation-config defaults (set by start())."""
         self.output_processor: OutputProcessor | None = None
         self.stats = EngineStats()
+        self.startup = PhaseTimes()
+        """The front end's own start-up seconds (tokenizer, config), beside the core's in `info.startup_s`."""
         self.dead_reason: str | None = None
         self._transport: ThreadTransport | ProcessTransport | None = None
         self._ready: asyncio.Future | None = None
@@ -202,7 +205,7 @@ class AsyncEngine:
             self._transport = transport(self.args, self._on_message)
         try:
             # NOTE: on a thread, not beside the engine thread: transformers' lazy imports are not thread-safe.
-            tokenizer, hf_config = await asyncio.to_thread(_load_front_end, self.args)
+            tokenizer, hf_config = await asyncio.to_thread(_load_front_end, self.args, self.startup)
         except Exception as e:
             tokenizer, hf_config = None, None
             front_error = f"{type(e).__name__}: {e}"
@@ -390,9 +393,12 @@ class AsyncEngine:
             self._forget(request_id)
 
 
-def _load_front_end(args: EngineArgs):
+def _load_front_end(args: EngineArgs, phases: PhaseTimes):
     """The tokenizer and the model's config, read by the front end itself while the core loads weights."""
     from kvserve.model_loader.loader import ModelSource, load_hf_config, load_tokenizer
 
     source = ModelSource.resolve(args.model)
-    return load_tokenizer(source, args.load_format == "dummy"), load_hf_config(source)
+    with phases.phase("tokenizer"):
+        tokenizer = load_tokenizer(source, args.load_format == "dummy")
+    with phases.phase("front-end config"):
+        return tokenizer, load_hf_config(source)

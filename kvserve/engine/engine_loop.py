@@ -11,6 +11,7 @@ drives it is engine/async_engine.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import queue
@@ -25,6 +26,7 @@ from kvserve.config import EngineArgs
 from kvserve.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.engine.core import EngineCore, EngineInfo
 from kvserve.utils.memory import resident_memory_bytes
+from kvserve.utils.startup_clock import PhaseTimes, process_age_s
 
 logger = logging.getLogger(__name__)
 
@@ -206,15 +208,22 @@ RSS_INTERVAL_S = 0.5
 def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None],
                   own_process: bool = False) -> None:
     """Body of the engine thread or process: build the core, report ready, loop until shutdown."""
+    phases = PhaseTimes()
+    if own_process:  # the spawned interpreter's start, its imports and the arguments' unpickling
+        phases.add("engine import", process_age_s())
     try:
-        core = EngineCore(args.create_engine_config())
+        with phases.phase("config"):
+            config = args.create_engine_config()
+        core = EngineCore(config)
+        phases.seconds.update(core.info.startup_s)  # weights, kernels, kv cache, warm-up
         if own_process:  # this process holds this one engine until it exits
-            EngineCore.freeze_gc()
+            with phases.phase("gc freeze"):
+                EngineCore.freeze_gc()
     except Exception as e:  # a bad --model or flag: the server reports it and exits
         logger.debug("engine start-up failed", exc_info=True)
         emit(Ready(None, f"{type(e).__name__}: {e}"))
         return
-    emit(Ready(core.info, None))
+    emit(Ready(dataclasses.replace(core.info, startup_s=phases.seconds), None))
     try:
         EngineLoop(core, recv, emit).run()
     except Exception:
