@@ -30,6 +30,8 @@ _BENCH = {
     "itl": ("kvserve.bench.itl", "the latency-aware step budget vs the fixed one (interference ITL, mixed tok/s), same run"),
     "sweep": ("kvserve.bench.sweep", "a server at several Poisson request rates: throughput vs latency, JSON and a PNG plot"),
     "sweep-plot": ("kvserve.bench.sweep_plot", "one serving-curve PNG from several `bench sweep` JSON files"),
+    "startup": ("kvserve.bench.startup", "start `kvserve serve` N times: where the start-up seconds go (import, weights, "
+                "kernels, tokenizer, ..., first token)"),
     "moe": ("kvserve.bench.moe", "one MoE layer (Qwen3-30B-A3B's shape): kvserve's expert paths vs transformers' eager block, same run"),
 }
 
