@@ -60,10 +60,23 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _start_engine_process(argv: list[str]):
+    """`kvserve serve`: the engine's process, started before the server imports its modules, so that both
+    import at once (engine/engine_process.py); None for every other command."""
+    words = [a for a in argv if not a.startswith("-")]
+    if words[:1] != ["serve"] or "-h" in argv or "--help" in argv:
+        return None
+    from kvserve.engine.engine_process import EngineProcess
+
+    return EngineProcess()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    engine_process = _start_engine_process(argv)
     args = build_parser(argv).parse_args(argv)
+    args.engine_process = engine_process
     try:
         return args._run(args) or 0
     except ValueError as e:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import multiprocessing
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -25,6 +23,7 @@ from dataclasses import dataclass
 from kvserve.config import EngineArgs
 from kvserve.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.engine.core import EngineCore, EngineInfo
+from kvserve.engine.engine_process import EngineProcess
 from kvserve.utils.memory import resident_memory_bytes
 from kvserve.utils.startup_clock import PhaseTimes, process_age_s
 
@@ -206,11 +205,14 @@ RSS_INTERVAL_S = 0.5
 
 
 def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None],
-                  own_process: bool = False) -> None:
-    """Body of the engine thread or process: build the core, report ready, loop until shutdown."""
+                  import_s: float | None = None) -> None:
+    """Body of the engine thread or process: build the core, report ready, loop until shutdown.
+
+    import_s: the engine has its own process, which took this long to start and import its modules."""
+    own_process = import_s is not None
     phases = PhaseTimes()
-    if own_process:  # the spawned interpreter's start, its imports and the arguments' unpickling
-        phases.add("engine import", process_age_s())
+    if own_process:
+        phases.add("engine import", import_s)
     try:
         with phases.phase("config"):
             config = args.create_engine_config()
@@ -269,11 +271,8 @@ class ThreadTransport:
         self._thread.join(timeout)
 
 
-def _process_main(args: EngineArgs, conn) -> None:
-    # NOTE: Ctrl+C (and a service manager's SIGTERM) can reach the whole process group; the server process
-    # decides when the engine stops (it sends SHUTDOWN after draining; if it dies, the pipe's EOF stops us).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def process_main(args: EngineArgs, conn, import_s: float) -> None:
+    """The engine process's body once it has its arguments (engine/engine_process.py started it)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def recv(block: bool) -> list:
@@ -287,20 +286,20 @@ def _process_main(args: EngineArgs, conn) -> None:
             commands.append(SHUTDOWN)
         return commands
 
-    _serve_engine(args, recv, conn.send, own_process=True)
+    _serve_engine(args, recv, conn.send, import_s)
 
 
 class ProcessTransport:
-    """The loop in a spawned child process, over a duplex pipe; a reader thread forwards its messages."""
+    """The loop in a spawned child process, over a duplex pipe; a reader thread forwards its messages.
 
-    def __init__(self, args: EngineArgs, on_message: Callable[[object], None]):
+    process: the engine process `kvserve serve` started first thing (engine/engine_process.py), its imports
+    done or under way; None: one is started now."""
+
+    def __init__(self, args: EngineArgs, on_message: Callable[[object], None], process: EngineProcess | None = None):
         loop = asyncio.get_running_loop()
-        ctx = multiprocessing.get_context("spawn")  # NOTE: fork after torch/tokenizer threads started can deadlock
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_process_main, args=(args, child_conn), name="kvserve-engine",
-                                    daemon=True)
-        self._process.start()
-        child_conn.close()
+        process = process or EngineProcess()
+        process.send_args(args)
+        self._conn, self._process = process.conn, process.process
         self.num_bytes_received = 0
 
         def read() -> None:

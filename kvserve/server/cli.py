@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         # NOTE: tests start the server with --port 0 and read the chosen port from this line.
         print(f"kvserve: serving on http://{_url_host(host)}:{port}", flush=True)
 
-    app = build_app(config, engine_args, on_ready=on_ready, on_engine_dead=lambda reason: server.fail(reason))
+    app = build_app(config, engine_args, on_ready=on_ready, on_engine_dead=lambda reason: server.fail(reason),
+                    engine_process=getattr(args, "engine_process", None))
     # NOTE: uvicorn's own grace period outlasts ours, so the error events of aborted streams get written.
     server = _GracefulServer(uvicorn.Config(
         app, log_level="info", access_log=config.access_log,
