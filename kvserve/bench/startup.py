@@ -91,31 +91,37 @@ def serve_flags(engine_args: EngineArgs) -> list[str]:
 
 def start_once(flags: list[str], timeout: float, prompt: str) -> StartupRun:
     """One fresh `kvserve serve`: its own phases, /health and the first token, then a clean stop."""
-    with tempfile.TemporaryFile("w+") as log:
+    with tempfile.TemporaryDirectory() as folder:
+        log = os.path.join(folder, "serve.log")
         cmd = [sys.executable, "-m", "kvserve.cli.main", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # NOTE: the server writes through its own append-mode file and this process reads through another: a
+        # shared file offset would let our reads move where its writes land
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             base = _wait_for_port(proc, log, start + timeout)
             health = _wait_healthy(proc, base, start + timeout) - start
             first = _first_token(base, prompt, start + timeout) - start
         finally:
             _stop(proc)
-        log.seek(0)
-        phases = next((p for p in map(parse_phases, log) if p), {})
+        phases = next((p for p in map(parse_phases, _lines(log)) if p), {})
     return StartupRun(phases, {"health": health, "first token": first})
 
 
-def _wait_for_port(proc: subprocess.Popen, log, deadline: float) -> str:
+def _lines(path: str) -> list[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.readlines()
+
+
+def _wait_for_port(proc: subprocess.Popen, log: str, deadline: float) -> str:
     """The server's address, from its `serving on http://...` line (it chose the port)."""
     while time.monotonic() < deadline:
-        log.seek(0)
-        for line in log:
+        for line in _lines(log):
             if line.startswith("kvserve: serving on "):
                 return line.split("serving on ", 1)[1].strip()
         if proc.poll() is not None:
-            log.seek(0)
-            tail = "".join(log.readlines()[-20:])
+            tail = "".join(_lines(log)[-20:])
             raise RuntimeError(f"kvserve serve exited with {proc.returncode} before serving:\n{tail}")
         time.sleep(_POLL_S)
     raise RuntimeError("kvserve serve did not start within --timeout")
