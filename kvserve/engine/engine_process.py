@@ -45,6 +45,10 @@ def _main(conn) -> None:
     from kvserve.engine.engine_loop import process_main
     from kvserve.utils.startup_clock import process_age_s
 
+    # Every model's config is a transformers config class; their base module's imports (torch.distributed.tensor,
+    # sympy) are seconds, spent here while the server process is still importing rather than after.
+    import transformers.configuration_utils  # noqa: F401
+
     import_s = process_age_s()  # the interpreter's start and the engine's imports, before the wait for work
     try:
         args = conn.recv()
