@@ -33,6 +33,8 @@ _BENCH = {
     "sweep-plot": ("kvserve.bench.sweep_plot", "one serving-curve PNG from several `bench sweep` JSON files"),
     "playbook": ("kvserve.bench.playbook", "the serving playbook's cost table (batching, PagedAttention, chunked "
                  "prefill, prefix and prompt caching, speculation, multi-LoRA, MoE), each row measured in one run"),
+    "startup": ("kvserve.bench.startup", "start `kvserve serve` N times: where the start-up seconds go (import, weights, "
+                "kernels, tokenizer, ..., first token)"),
     "moe": ("kvserve.bench.moe", "one MoE layer (Qwen3-30B-A3B's shape): kvserve's expert paths vs transformers' eager block, same run"),
 }
 
@@ -61,10 +63,23 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _start_engine_process(argv: list[str]):
+    """`kvserve serve`: the engine's process, started before the server imports its modules, so that both
+    import at once (engine/engine_process.py); None for every other command."""
+    words = [a for a in argv if not a.startswith("-")]
+    if words[:1] != ["serve"] or "-h" in argv or "--help" in argv:
+        return None
+    from kvserve.engine.engine_process import EngineProcess
+
+    return EngineProcess()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    engine_process = _start_engine_process(argv)
     args = build_parser(argv).parse_args(argv)
+    args.engine_process = engine_process
     try:
         return args._run(args) or 0
     except ValueError as e:

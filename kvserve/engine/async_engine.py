@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import EngineArgs
 from kvserve.engine.core import EngineInfo
+from kvserve.engine.engine_process import EngineProcess
 from kvserve.engine.engine_loop import (
     SHUTDOWN,
     Abort,
@@ -47,6 +48,7 @@ from kvserve.kv_cache.events import KVEvent
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.utils.startup_clock import PhaseTimes
 
 logger = logging.getLogger(__name__)
 
@@ -172,12 +174,15 @@ class AsyncEngine:
     `prefix_cache_stats` ask the core itself (it may live in another process), between two steps.
     """
 
-    def __init__(self, args: EngineArgs, *, max_queue_len: int = 256, use_process: bool = False):
+    def __init__(self, args: EngineArgs, *, max_queue_len: int = 256, use_process: bool = False,
+                 engine_process: EngineProcess | None = None):
+        """engine_process: with use_process, the engine process started ahead (engine/engine_process.py)."""
         if max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {max_queue_len}")
         self.args = args
         self.max_queue_len = max_queue_len
         self.use_process = use_process
+        self._engine_process = engine_process
         self.info: EngineInfo | None = None
         self.tokenizer = None  # set by start(); the front end's own (the core needs none)
         self.processor: Processor | None = None
@@ -185,6 +190,8 @@ class AsyncEngine:
         """--generation-config defaults (set by start())."""
         self.output_processor: OutputProcessor | None = None
         self.stats = EngineStats()
+        self.startup = PhaseTimes()
+        """The front end's own start-up seconds (tokenizer, config), beside the core's in `info.startup_s`."""
         self.dead_reason: str | None = None
         self._transport: ThreadTransport | ProcessTransport | None = None
         self._ready: asyncio.Future | None = None
@@ -202,10 +209,14 @@ class AsyncEngine:
         self._ready = asyncio.get_running_loop().create_future()
         transport = ProcessTransport if self.use_process else ThreadTransport
         if self.use_process:  # the child loads the weights while this process loads the tokenizer
-            self._transport = transport(self.args, self._on_message)
+            self._transport = ProcessTransport(self.args, self._on_message, self._engine_process)
+        elif self._engine_process is not None:  # started in case: the engine runs on a thread after all
+            self._engine_process.close()
+        self._engine_process = None
         try:
             # NOTE: on a thread, not beside the engine thread: transformers' lazy imports are not thread-safe.
-            tokenizer, hf_config = await asyncio.to_thread(_load_front_end, self.args)
+            tokenizer, hf_config = await asyncio.to_thread(_load_front_end, self.args, self.startup,
+                                                           self.args._lora_config() is not None)
         except Exception as e:
             tokenizer, hf_config = None, None
             front_error = f"{type(e).__name__}: {e}"
@@ -223,7 +234,7 @@ class AsyncEngine:
         self.info, self.tokenizer = ready.info, tokenizer
         self.default_sampling = self.args.default_sampling()  # validated at EngineArgs; a small file read
         lora = self.args._lora_config()
-        self.processor = Processor(tokenizer, ready.info, eos_token_ids(hf_config, tokenizer),
+        self.processor = Processor(tokenizer, ready.info, eos_token_ids(ready.info.config_eos_token_id, tokenizer),
                                    AdapterChecker(hf_config, lora) if lora else None)
         self.output_processor = OutputProcessor(tokenizer)
         return self.info
@@ -393,9 +404,15 @@ class AsyncEngine:
             self._forget(request_id)
 
 
-def _load_front_end(args: EngineArgs):
-    """The tokenizer and the model's config, read by the front end itself while the core loads weights."""
+def _load_front_end(args: EngineArgs, phases: PhaseTimes, with_config: bool):
+    """The tokenizer and (with_config: LoRA adapters are checked against it) the model's config, read by the front
+    end itself while the core loads weights."""
     from kvserve.model_loader.loader import ModelSource, load_hf_config, load_tokenizer
 
     source = ModelSource.resolve(args.model)
-    return load_tokenizer(source, args.load_format == "dummy"), load_hf_config(source)
+    with phases.phase("tokenizer"):
+        tokenizer = load_tokenizer(source, args.load_format == "dummy")
+    if not with_config:
+        return tokenizer, None
+    with phases.phase("front-end config"):
+        return tokenizer, load_hf_config(source)

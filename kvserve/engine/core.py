@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.config.engine import EngineConfig
 from kvserve.core_types import EngineCoreOutput, EngineCoreRequest
@@ -51,6 +51,12 @@ class EngineInfo:
     max_blocks_per_request: int | None = None
     """Every layer windowed: the most blocks a request holds at once, however long (its first query's window and
     one step's tokens; kv_cache/window.py). None: a request holds a block for each of its tokens' blocks."""
+    config_eos_token_id: int | list[int] | None = None
+    """The model config's eos_token_id: the front end needs nothing else of the config (without LoRA), so it
+    does not load one (transformers' config classes are a second of imports)."""
+    startup_s: dict[str, float] = field(default_factory=dict)
+    """Seconds the core's start-up spent, by phase (config, weights, kernels, kv cache, warm-up), for the server's
+    start-up report (utils/startup_clock.py)."""
 
 
 class EngineCore:
@@ -93,7 +99,9 @@ class EngineCore:
         self.info = EngineInfo(mc.served_name, mc.max_model_len, mc.vocab_size, config.scheduler.max_num_seqs,
                                num_blocks, cache.block_size, mc.max_logprobs, cache.enable_prefix_caching,
                                dtype_name(self.kv_spec.dtype), self.kv_spec.num_bytes,
-                               window_blocks_bound(window, cache.block_size, config.scheduler.max_num_batched_tokens))
+                               window_blocks_bound(window, cache.block_size, config.scheduler.max_num_batched_tokens),
+                               config_eos_token_id=getattr(mc.hf_config, "eos_token_id", None),
+                               startup_s=self.executor.startup_phases())
 
     def shutdown(self) -> None:
         """Stop the workers (tensor parallelism: the follower processes); the core cannot step after."""

@@ -34,7 +34,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.config.model.source, self.config.load.load_format == "dummy")
         adapters = AdapterChecker(self.config.model.hf_config, self.config.lora) if self.config.lora else None
         self.processor = Processor(self.tokenizer, self.core.info,
-                                   eos_token_ids(self.config.model.hf_config, self.tokenizer), adapters)
+                                   eos_token_ids(getattr(self.config.model.hf_config, "eos_token_id", None), self.tokenizer), adapters)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_kv_events: list = []
         """--kv-events-config: what the last step put into and took out of the prefix cache."""

@@ -11,10 +11,9 @@ drives it is engine/async_engine.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import multiprocessing
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -25,7 +24,9 @@ from kvserve.config import EngineArgs
 from kvserve.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.engine.core import EngineCore, EngineInfo
 from kvserve.kv_cache.events import KVEvent
+from kvserve.engine.engine_process import EngineProcess
 from kvserve.utils.memory import resident_memory_bytes
+from kvserve.utils.startup_clock import PhaseTimes
 
 logger = logging.getLogger(__name__)
 
@@ -207,17 +208,27 @@ RSS_INTERVAL_S = 0.5
 
 
 def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable[[object], None],
-                  own_process: bool = False) -> None:
-    """Body of the engine thread or process: build the core, report ready, loop until shutdown."""
+                  import_s: float | None = None) -> None:
+    """Body of the engine thread or process: build the core, report ready, loop until shutdown.
+
+    import_s: the engine has its own process, which took this long to start and import its modules."""
+    own_process = import_s is not None
+    phases = PhaseTimes()
+    if own_process:
+        phases.add("engine import", import_s)
     try:
-        core = EngineCore(args.create_engine_config())
+        with phases.phase("config"):
+            config = args.create_engine_config()
+        core = EngineCore(config)
+        phases.seconds.update(core.info.startup_s)  # weights, kernels, kv cache, warm-up
         if own_process:  # this process holds this one engine until it exits
-            EngineCore.freeze_gc()
+            with phases.phase("gc freeze"):
+                EngineCore.freeze_gc()
     except Exception as e:  # a bad --model or flag: the server reports it and exits
         logger.debug("engine start-up failed", exc_info=True)
         emit(Ready(None, f"{type(e).__name__}: {e}"))
         return
-    emit(Ready(core.info, None))
+    emit(Ready(dataclasses.replace(core.info, startup_s=phases.seconds), None))
     try:
         EngineLoop(core, recv, emit).run()
     except Exception:
@@ -263,11 +274,8 @@ class ThreadTransport:
         self._thread.join(timeout)
 
 
-def _process_main(args: EngineArgs, conn) -> None:
-    # NOTE: Ctrl+C (and a service manager's SIGTERM) can reach the whole process group; the server process
-    # decides when the engine stops (it sends SHUTDOWN after draining; if it dies, the pipe's EOF stops us).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def process_main(args: EngineArgs, conn, import_s: float) -> None:
+    """The engine process's body once it has its arguments (engine/engine_process.py started it)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def recv(block: bool) -> list:
@@ -281,20 +289,20 @@ def _process_main(args: EngineArgs, conn) -> None:
             commands.append(SHUTDOWN)
         return commands
 
-    _serve_engine(args, recv, conn.send, own_process=True)
+    _serve_engine(args, recv, conn.send, import_s)
 
 
 class ProcessTransport:
-    """The loop in a spawned child process, over a duplex pipe; a reader thread forwards its messages."""
+    """The loop in a spawned child process, over a duplex pipe; a reader thread forwards its messages.
 
-    def __init__(self, args: EngineArgs, on_message: Callable[[object], None]):
+    process: the engine process `kvserve serve` started first thing (engine/engine_process.py), its imports
+    done or under way; None: one is started now."""
+
+    def __init__(self, args: EngineArgs, on_message: Callable[[object], None], process: EngineProcess | None = None):
         loop = asyncio.get_running_loop()
-        ctx = multiprocessing.get_context("spawn")  # NOTE: fork after torch/tokenizer threads started can deadlock
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_process_main, args=(args, child_conn), name="kvserve-engine",
-                                    daemon=True)
-        self._process.start()
-        child_conn.close()
+        process = process or EngineProcess()
+        process.send_args(args)
+        self._conn, self._process = process.conn, process.process
         self.num_bytes_received = 0
 
         def read() -> None:

@@ -35,9 +35,9 @@ def _wrap_int64(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
 
 
-def eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
-    ids = getattr(hf_config, "eos_token_id", None)
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
+def eos_token_ids(config_eos, tokenizer) -> tuple[int, ...]:
+    """config_eos: the model config's eos_token_id (an id, several, or None); the tokenizer's is added."""
+    ids = [config_eos] if isinstance(config_eos, int) else list(config_eos or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return tuple(ids)

@@ -10,6 +10,7 @@ from typing import Any
 import gguf
 
 from kvserve.model_loader.gguf_archs import GGUF_ARCHS, GGUFArch
+from kvserve.model_loader.gguf_file import GGUFFile
 
 # llama.cpp's fixed Gemma attention layouts: every n-th layer global, the rest windowed, rope 10k on those
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -18,15 +19,14 @@ _GEMMA_SWA_ROPE_THETA = 10000.0
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    value = reader.get_field(key)
-    return default if value is None else value.contents()
+def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.field(key, default)
 
 
 class Metadata:
     """The `{arch}.`-prefixed keys of one file."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: str):
+    def __init__(self, reader: GGUFFile, path: str):
         self.reader, self.path = reader, path
         self.arch = field(reader, "general.architecture")
 
@@ -94,10 +94,10 @@ def _common(m: Metadata, arch: GGUFArch) -> dict[str, Any]:
     vocab_size = m.get("vocab_size")
     if vocab_size is None:
         # NOTE: older converters omit {arch}.vocab_size; the token list is authoritative then.
-        tokens = m.reader.get_field("tokenizer.ggml.tokens")
+        tokens = m.reader.field("tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError(f"{m.path}: neither {m.arch}.vocab_size nor tokenizer.ggml.tokens is present")
-        vocab_size = len(tokens.data)
+        vocab_size = len(tokens)
     kwargs: dict[str, Any] = dict(
         vocab_size=int(vocab_size), hidden_size=hidden_size, num_hidden_layers=int(m.get("block_count", required=True)),
         num_attention_heads=num_heads, num_key_value_heads=int(m.uniform("attention.head_count_kv", num_heads)),
@@ -215,7 +215,7 @@ _EXTRAS = {"granite": _granite, "granitemoe": _granite, "olmoe": _olmoe, "phi3":
            "deepseek2": _deepseek2}
 
 
-def config_from_reader(reader: gguf.GGUFReader, path: str):
+def config_from_reader(reader: GGUFFile, path: str):
     """The transformers config of the file's architecture (LlamaConfig for `llama`, MixtralConfig for `llama`
     with experts, Qwen3MoeConfig for `qwen3moe`, ...), `architectures` set to the HF class it loads as."""
     from transformers import AutoConfig

@@ -2,9 +2,10 @@
 experts) and the architectures of gguf_archs.py (qwen2, qwen3, qwen2moe, qwen3moe, olmoe, phi3, granite,
 granitemoe, gemma2, gemma3, deepseek2).
 
-Three independent readers share one file:
+Three readers share one parse of the file's header (gguf_file.py, once per process):
 - `load_gguf_config`: metadata only → the architecture's transformers config (gguf_config.py);
-- `load_gguf_tokenizer`: a `transformers` fast tokenizer, with SmolLM2's digit splitting restored;
+- `load_gguf_tokenizer`: a `transformers` fast tokenizer, with SmolLM2's digit splitting restored, built once per
+  file and then loaded from its cached `tokenizer.json` (tokenizer_cache.py);
 - `iter_gguf_tensors`: dequantized tensors under HF names, in HF layout (K-quants such as Q4_K / Q6_K included:
   gguf's own dequantize).
 
@@ -28,6 +29,8 @@ import torch
 
 from kvserve.model_loader.gguf_archs import GATE_EXPS, GGUF_ARCHS, UP_EXPS, layer_tensors, per_expert_name
 from kvserve.model_loader.gguf_config import config_from_reader, field
+from kvserve.model_loader.gguf_file import GGUFFile
+from kvserve.model_loader.tokenizer_cache import load_or_build
 __all__ = [
     "builtin_model_path",
     "load_gguf_config",
@@ -79,16 +82,16 @@ def builtin_model_path() -> str:
 
 
 @functools.lru_cache(maxsize=2)
-def _read(path: str, mtime_ns: int) -> gguf.GGUFReader:
-    """Parse a GGUF file's header once: parsing the 49k-entry vocabulary takes seconds, and the
-    config, tokenizer and weights are each read from it. Keyed by mtime so a rewritten file is re-read."""
+def _read(path: str, mtime_ns: int) -> GGUFFile:
+    """Parse a GGUF file's header once per process: the config, the tokenizer and the weights are each read
+    from it. Keyed by mtime so a rewritten file is re-read."""
     try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad input
+        return GGUFFile(path)
+    except Exception as exc:  # a short file, a bad enum value... on bad input
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
-def _open_reader(path: str) -> gguf.GGUFReader:
+def _open_reader(path: str) -> GGUFFile:
     """Open `path` as a GGUF file of a supported architecture."""
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -110,8 +113,7 @@ def load_gguf_config(path: str):
     """Build the transformers config of a GGUF file's architecture from its metadata (gguf_config.py):
     `LlamaConfig` for `llama`, `MixtralConfig` for `llama` with experts, `Qwen3MoeConfig` for `qwen3moe`, ...
 
-    Only metadata is read; tensors stay on disk (parsing SmolLM2's 49k-token vocabulary
-    still takes ~2 s on a slow CPU).
+    Only metadata is read; tensors stay on disk.
 
     Raises:
         FileNotFoundError: `path` does not exist.
@@ -136,13 +138,20 @@ def load_gguf_tokenizer(path: str):
     - architectures whose config transformers cannot read from GGUF (olmoe, granite, deepseek2, ...) get the
       same tokenizer through its generic fast class (the vocabulary does not depend on the config).
 
+    The tokenizer is built once per file and cached (model_loader/tokenizer_cache.py): a later call, in any
+    process, loads the cached `tokenizer.json`.
+
     Raises:
         FileNotFoundError / ValueError: as `load_gguf_config`.
     """
+    path = os.fspath(path)
+    reader = _open_reader(path)  # a file that is not a supported GGUF fails here, cached or not
+    return load_or_build(path, __file__, lambda: _build_gguf_tokenizer(path, reader))
+
+
+def _build_gguf_tokenizer(path: str, reader: GGUFFile):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    path = os.fspath(path)
-    reader = _open_reader(path)
     chat_template = field(reader, "tokenizer.chat_template")
 
     folder, filename = os.path.split(os.path.abspath(path))
@@ -312,7 +321,7 @@ def _hf_shape(tensor) -> tuple[int, ...]:
 
 def _dequantized(tensor, layout: _Layout) -> np.ndarray:
     """The tensor in float32, HF shape and row order, owning its memory."""
-    weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    weight = _dequantize(tensor.data, tensor.tensor_type)
     if weight.shape != _hf_shape(tensor):
         weight = weight.reshape(_hf_shape(tensor))
     heads = layout.qk_heads(tensor.name)
@@ -320,9 +329,27 @@ def _dequantized(tensor, layout: _Layout) -> np.ndarray:
         weight = _unpermute_rope_rows(weight, heads)
     if layout.norm_shift and tensor.name.endswith("norm.weight"):
         weight = weight - np.float32(layout.norm_shift)
-    # F32/F16 tensors can come back as views of the read-only memory map; torch needs
-    # a buffer it may own (and the file may be closed while the tensor lives on).
-    return np.array(weight, dtype=np.float32, order="C")
+    # F32 tensors can come back as views of the read-only memory map; torch needs a buffer it may own (and the
+    # file may be closed while the tensor lives on). What dequantization computed is already that: not copied.
+    if weight.dtype != np.float32 or not weight.flags.writeable or not weight.flags.c_contiguous:
+        weight = np.array(weight, dtype=np.float32, order="C")
+    return weight
+
+
+# Rows dequantized per call: gguf's dequantize works in groups of 16 rows, whose Python overhead was half the
+# time of loading the built-in model's Q4_1 weights; larger groups do the same arithmetic per element.
+_DEQUANT_ROWS = 1024
+
+
+def _dequantize(data: np.ndarray, tensor_type) -> np.ndarray:
+    """`gguf.quants.dequantize(data, tensor_type)`, the same floats, in groups of _DEQUANT_ROWS rows."""
+    traits = getattr(gguf.quants, gguf.GGMLQuantizationType(tensor_type).name, None)
+    if traits is None or not hasattr(traits, "dequantize_rows") or data.ndim < 2:  # plain types, or a 1-D tensor
+        return gguf.quants.dequantize(data, tensor_type)
+    traits.init_grid()
+    rows = data.reshape(-1, data.shape[-1])
+    parts = [traits.dequantize_rows(rows[i:i + _DEQUANT_ROWS]) for i in range(0, rows.shape[0], _DEQUANT_ROWS)]
+    return np.concatenate(parts).reshape(gguf.quant_shape_from_byte_shape(data.shape, tensor_type))
 
 
 def _joined(suffix: str, weight: np.ndarray, other: np.ndarray, config) -> np.ndarray:

@@ -41,6 +41,13 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def _default_inv_freq(hf_config) -> torch.Tensor:
+    """Unscaled RoPE's inverse frequencies over the whole head, as LlamaRotaryEmbedding's default computes them."""
+    base = hf_config.rope_parameters["rope_theta"]
+    dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_positions, from HF's own rope initialisation
     (so rope_scaling variants such as Llama-3's match the oracle exactly).
@@ -64,30 +71,36 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, hf_config, max_positions: int):
         super().__init__()
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        hf_rope = LlamaRotaryEmbedding(config=hf_config)
-        inv_freqs = [hf_rope.inv_freq.float()]                                # [R/2] per factor set
-        if hf_rope.rope_type == "default" and getattr(hf_config, "model_type", None) == "phi3":
-            # transformers' default RoPE honours partial_rotary_factor in Phi-3 only (the Llama family's, like
-            # LlamaRotaryEmbedding's, rotates whole heads); its scaled types honour it everywhere
-            from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
-            inv_freqs = [Phi3RotaryEmbedding.compute_default_rope_parameters(hf_config)[0].float()]
-        rotary_dim = 2 * inv_freqs[0].numel()
-        if rotary_dim > hf_config.head_dim:
-            raise ValueError(f"RoPE over {rotary_dim} dims of a {hf_config.head_dim}-dim head")
-        self.long_switch: tuple[int, int] | None = None
-        """longrope: (M, row offset of the long table): positions of requests whose prompt exceeds M come offset."""
-        original = longrope_switch_length(hf_config, max_positions)
-        if original is not None:  # else no sequence ever switches: the short table alone
-            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=original + 1)
-            inv_freqs.append(long_inv_freq.float())
-            self.long_switch = (original, max_positions)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.cat([torch.outer(positions, f) for f in inv_freqs])   # [P * sets, R/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                               # [P * sets, R]
-        self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
+        # NOTE: on the CPU even while the model is built on the meta device (models/build.py), where arange
+        # runs through torch._refs, whose first use imports torch._dynamo: seconds of every server start
+        with torch.device("cpu"):
+            rope_type = hf_config.rope_parameters["rope_type"]
+            # NOTE: what transformers' LlamaRotaryEmbedding computes, without importing its modeling module (which
+            # imports torch._dynamo too)
+            inv_freq, attention_scaling = (_default_inv_freq(hf_config), 1.0) if rope_type == "default" else \
+                ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+            inv_freqs = [inv_freq.float()]                                         # [R/2] per factor set
+            if rope_type == "default" and getattr(hf_config, "model_type", None) == "phi3":
+                # transformers' default RoPE honours partial_rotary_factor in Phi-3 only (the Llama family's, like
+                # LlamaRotaryEmbedding's, rotates whole heads); its scaled types honour it everywhere
+                from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+                inv_freqs = [Phi3RotaryEmbedding.compute_default_rope_parameters(hf_config)[0].float()]
+            rotary_dim = 2 * inv_freqs[0].numel()
+            if rotary_dim > hf_config.head_dim:
+                raise ValueError(f"RoPE over {rotary_dim} dims of a {hf_config.head_dim}-dim head")
+            self.long_switch: tuple[int, int] | None = None
+            """longrope: (M, row offset of the long table): positions of requests whose prompt exceeds M come offset."""
+            original = longrope_switch_length(hf_config, max_positions)
+            if original is not None:  # else no sequence ever switches: the short table alone
+                long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=original + 1)
+                inv_freqs.append(long_inv_freq.float())
+                self.long_switch = (original, max_positions)
+            positions = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.cat([torch.outer(positions, f) for f in inv_freqs])   # [P * sets, R/2]
+            emb = torch.cat((freqs, freqs), dim=-1)                               # [P * sets, R]
+            self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+            self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the step's positions, each [T, R]; looked up once per step, not per layer."""

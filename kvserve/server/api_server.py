@@ -23,6 +23,7 @@ from kvserve.config import EngineArgs
 from kvserve.config.kv_events import KVEventsConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.kv_cache.admission_check import admission_warning
+from kvserve.engine.engine_process import EngineProcess
 from kvserve.server.config import ServerConfig
 from kvserve.server.kv_events import KVEventFeed
 from kvserve.server.errors import APIError, install_error_handlers
@@ -52,16 +53,18 @@ def _state(request: Request) -> ServerState:
 
 def build_app(config: ServerConfig, engine_args: EngineArgs,
               on_ready: Callable[[], None] | None = None,
-              on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
+              on_engine_dead: Callable[[str], None] | None = None,
+              engine_process: EngineProcess | None = None) -> FastAPI:
     """An app that starts the engine in its lifespan (so on the server's own event loop).
 
     on_ready: called once the engine is up (the CLI prints where it serves then).
-    on_engine_dead: called if the engine loop dies (the CLI then exits non-zero, for a supervisor)."""
+    on_engine_dead: called if the engine loop dies (the CLI then exits non-zero, for a supervisor).
+    engine_process: the engine process `kvserve serve` started before its imports (engine/engine_process.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine = AsyncEngine(engine_args, max_queue_len=config.max_queue_len,
-                             use_process=config.engine_loop == "process")
+                             use_process=config.engine_loop == "process", engine_process=engine_process)
         info = await engine.start()
         names = [config.served_model_name or info.model_name]
         metrics = ServerMetrics(names[0], info.kv_cache_dtype, info.kv_cache_bytes)

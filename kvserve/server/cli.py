@@ -22,6 +22,7 @@ from kvserve.model_loader.loader import ModelSource
 from kvserve.server.api_server import build_app
 from kvserve.server.config import ServerConfig
 from kvserve.utils.cli_help import DefaultsHelpFormatter
+from kvserve.utils.startup_clock import format_phases, process_age_s
 
 logger = logging.getLogger("kvserve.server")
 
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import_s = process_age_s()  # the interpreter's start and every import up to here
     config = ServerConfig.from_cli(args)
     engine_args = EngineArgs.from_cli(args)
     ModelSource.resolve(engine_args.model)  # a wrong --model fails here, before anything is announced
@@ -42,10 +44,16 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
 
     def on_ready() -> None:
+        engine = app.state.kvserve.engine
+        # NOTE: `kvserve bench startup` reads this line (utils/startup_clock.py); the front end's phases overlap
+        # the engine's, so the phases add up to more than `ready`.
+        logger.info(format_phases({"import": import_s, **engine.startup.seconds, **engine.info.startup_s,
+                                   "ready": process_age_s()}))
         # NOTE: tests start the server with --port 0 and read the chosen port from this line.
         print(f"kvserve: serving on http://{_url_host(host)}:{port}", flush=True)
 
-    app = build_app(config, engine_args, on_ready=on_ready, on_engine_dead=lambda reason: server.fail(reason))
+    app = build_app(config, engine_args, on_ready=on_ready, on_engine_dead=lambda reason: server.fail(reason),
+                    engine_process=getattr(args, "engine_process", None))
     # NOTE: uvicorn's own grace period outlasts ours, so the error events of aborted streams get written.
     server = _GracefulServer(uvicorn.Config(
         app, log_level="info", access_log=config.access_log,

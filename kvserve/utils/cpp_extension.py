@@ -93,8 +93,6 @@ def build_extension(name: str, source: str, what: str):
     falls back to PyTorch. Safe to call from several processes at once: one builds, the others wait for it."""
     build_dir = None
     try:
-        from torch.utils.cpp_extension import load
-
         with open(source, "rb") as f:
             code = f.read()
         isa = selected_isa()
@@ -108,6 +106,9 @@ def build_extension(name: str, source: str, what: str):
         with _exclusive(build_dir, what):
             if os.path.exists(complete):  # built before: no compiler or ninja needed to load it
                 return _import(module_name, library)
+            # NOTE: imported only to build: it imports setuptools, a fifth of a second of every start otherwise
+            from torch.utils.cpp_extension import load
+
             logger.info("building kernels: %s for %s (first use with this source/compiler/environment; "
                         "takes about a minute)", what, isa)
             start = time.perf_counter()

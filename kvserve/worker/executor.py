@@ -29,6 +29,10 @@ class UniprocExecutor:
     def step_cost_knee(self) -> int:
         return self.worker.step_cost_knee()
 
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds the driver's worker spent loading, by phase (weights, kernels, kv cache, warm-up)."""
+        return dict(self.worker.startup.seconds)
+
     def shutdown(self) -> None:
         pass
 

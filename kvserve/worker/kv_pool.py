@@ -9,6 +9,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.quant import QuantizedKVCache
+from kvserve.utils.lazy_zeros import lazy_zeros
 
 
 @dataclass
@@ -22,7 +23,10 @@ class KVPool:
     def allocate(cls, spec: KVCacheSpec, backend: AttentionBackend, device: torch.device) -> "KVPool":
         # One allocation (two for a quantized cache), viewed per layer (nano-vllm): no per-layer fragmentation.
         shape = backend.kv_cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        values = torch.zeros((spec.num_layers, *shape), dtype=spec.dtype, device=device)
+        if device.type == "cpu":  # no memset up front: pages come zeroed from the OS as blocks are first written
+            values = lazy_zeros((spec.num_layers, *shape), spec.dtype)
+        else:
+            values = torch.zeros((spec.num_layers, *shape), dtype=spec.dtype, device=device)
         if not spec.quantized:
             return cls(values, None, list(values.unbind(0)))
         scale_shape = backend.kv_cache_scale_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads)

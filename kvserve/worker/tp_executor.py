@@ -58,6 +58,10 @@ class DriverCalls:
     def step_cost_knee(self) -> int:
         return self.worker.step_cost_knee()
 
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds the driver's worker spent loading, by phase (weights, kernels, kv cache, warm-up)."""
+        return dict(self.worker.startup.seconds)
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self._failed is not None:
             raise TensorParallelError(self._failed)

@@ -65,6 +65,10 @@ class ExternalLauncherExecutor:
     def step_cost_knee(self) -> int:
         return self.worker.step_cost_knee()
 
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds the driver's worker spent loading, by phase (weights, kernels, kv cache, warm-up)."""
+        return dict(self.worker.startup.seconds)
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.group.broadcast_object(StepMessage(out, self._sampled, driver_lora_slots(self.worker, out)))
         self.group.stats.steps += 1

@@ -40,6 +40,7 @@ from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.utils.cpu_features import describe_isa
 from kvserve.utils.host_malloc import keep_freed_memory
+from kvserve.utils.startup_clock import PhaseTimes
 from kvserve.worker.cuda_graph import CudaGraphRunner
 from kvserve.worker.kv_connector import ConnectorStep
 from kvserve.worker.kv_pool import KVPool
@@ -72,6 +73,8 @@ class Worker:
         """CUDA: how the KV pool was sized (worker/memory_plan.py)."""
         self.lora: LoRAManager | None = None
         """enable_lora: the target model's adapter slots (the draft model never runs adapters)."""
+        self.startup = PhaseTimes()
+        """Seconds of loading by phase (weights, kernels, kv cache, warm-up): `kvserve bench startup` reads them."""
 
     def load_model(self) -> None:
         quantized_kv = is_quantized(resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.config.model.dtype))
@@ -81,7 +84,8 @@ class Worker:
         if resolve_architecture(self.config.model.hf_config)[1].mla:
             self.backend = self._mla_backend(quantized_kv)
         else:
-            self.backend = make_backend(self.config.device.attention_backend, self.device.type, quantized_kv)
+            with self.startup.phase("kernels"):  # the backend loads its C++ kernel (from the cache)
+                self.backend = make_backend(self.config.device.attention_backend, self.device.type, quantized_kv)
         lora = self.config.lora
         batch = LoRABatch() if lora is not None else None
         self.model = self._load(self.config.model, batch)
@@ -116,17 +120,18 @@ class Worker:
         if lora_batch is not None:
             lora = self.config.lora
             method = LoRAMethod(method, lora_batch, lora.max_loras, lora.max_lora_rank)
-        model = build_model(mc.hf_config, self.backend, mc.max_model_len, mc.dtype, self.device, method, shard,
-                            head_method=head)
-        check_layers(model, quant.method, quant.group)
-        loaded_bytes = weight_bytes(model)
-        if self.config.load.load_format == "dummy":
-            initialize_dummy_weights(model, self.config.seed)
-        else:
-            # NOTE: a sharded rank reads only its slices of each tensor (model_loader/lazy_tensor.py)
-            load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype, keep_blocks=quant.method == "gguf",
-                                                        lazy=shard.size > 1))
-        model.eval()
+        with self.startup.phase("weights"):
+            model = build_model(mc.hf_config, self.backend, mc.max_model_len, mc.dtype, self.device, method, shard,
+                                head_method=head)
+            check_layers(model, quant.method, quant.group)
+            loaded_bytes = weight_bytes(model)
+            if self.config.load.load_format == "dummy":
+                initialize_dummy_weights(model, self.config.seed)
+            else:
+                # NOTE: a sharded rank reads only its slices of each tensor (model_loader/lazy_tensor.py)
+                load_weights(model, iter_checkpoint_tensors(mc.source, mc.dtype, keep_blocks=quant.method == "gguf",
+                                                            lazy=shard.size > 1))
+            model.eval()
         if mc is self.config.model:
             held = weight_bytes(model)
             logger.info("quantization: %s; weights %d bytes (%.1f MiB) in %s -> %d bytes (%.1f MiB) held "
@@ -140,7 +145,8 @@ class Worker:
                             shard.rank, shard.size, held, held / 2**20)
         if (self.device.type == "cpu" and mc.dtype in (torch.float32, torch.bfloat16)
                 and self.backend.name != "torch_ref"):
-            model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
+            with self.startup.phase("kernels"):
+                model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
         if self.device.type == "cpu" and mc is self.config.model:
             logger.info("CPU instruction sets: %s", describe_isa())  # docs/features/cpu-kernels.md
         return model
@@ -168,7 +174,8 @@ class Worker:
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
-            self.memory_plan = plan_cuda_memory(self.device, cache.gpu_memory_utilization, self._warm_up)
+            with self.startup.phase("warm-up"):
+                self.memory_plan = plan_cuda_memory(self.device, cache.gpu_memory_utilization, self._warm_up)
             logger.info("CUDA memory: %s", self.memory_plan.describe())
             num_blocks = self.memory_plan.num_blocks(per_block)
         else:
@@ -205,10 +212,11 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> KVCacheSpec:
         spec = self.kv_cache_spec(num_blocks)
-        proposer = self._make_proposer(num_blocks)
-        self.runner = ModelRunner(self.model, self.backend, spec, self.config.scheduler.max_num_seqs,
-                                  self.config.model.max_model_len, self.device, proposer, self.lora,
-                                  samples=self.is_driver, logprobs_mode=self.config.model.logprobs_mode)
+        with self.startup.phase("kv cache"):
+            proposer = self._make_proposer(num_blocks)
+            self.runner = ModelRunner(self.model, self.backend, spec, self.config.scheduler.max_num_seqs,
+                                      self.config.model.max_model_len, self.device, proposer, self.lora,
+                                      samples=self.is_driver, logprobs_mode=self.config.model.logprobs_mode)
         transfer = self.config.kv_transfer
         if transfer is not None and transfer.kv_connector:
             connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, spec,
@@ -221,7 +229,8 @@ class Worker:
             graphs = CudaGraphRunner(self.model, self.backend, self.runner.kv_caches,
                                      self.config.scheduler.max_num_seqs, -(-max_len // spec.block_size),
                                      spec.block_size, self.device)
-            graphs.capture()
+            with self.startup.phase("warm-up"):  # capturing runs each graph's batch once
+                graphs.capture()
             self.runner.cuda_graphs = graphs
         scales = ""
         if spec.quantized:
