@@ -144,7 +144,6 @@ class ServerState:
         if self.config.log_requests:
             for rid, p in zip(ids, prompts):
                 logger.info("request %s: prompt %r (token ids %s), params %s", rid, p.text, p.token_ids, params)
-        self._record_prompts(prompts)
         results = await asyncio.gather(
             *(engine.add_request(rid, p.token_ids, params, p.text, cache_pin, deadline, lora_request)
               for rid, p in zip(ids, prompts)),
@@ -152,6 +151,7 @@ class ServerState:
         streams = [r for r in results if isinstance(r, RequestStream)]
         errors = [r for r in results if not isinstance(r, RequestStream)]
         if not errors:
+            self._record_prompts(prompts)  # accepted, so their token ids are valid
             return streams
         for stream in streams:
             stream.close()
