@@ -35,7 +35,7 @@ namespace {
 struct Vec {
   using T = __m512;
   static constexpr int kWidth = 16;
-  static constexpr int kMaxRows = 4;  // tokens per pass over a weight row (dot_row: 4 x 2 accumulators)
+  static constexpr int kMaxRows = 4;  // tokens per pass over a weight row (dot_rows: 4 x 2 x 1 accumulators)
   static T zero() { return _mm512_setzero_ps(); }
   static T set1(float v) { return _mm512_set1_ps(v); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }
@@ -110,57 +110,73 @@ inline void prefetch_run(const void* at, int64_t bytes, const char* end) {
     if (p + b < end) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
-// y[m * ldy] = dot(x[m], row) for m < MR: the weight row is read once for the MR inputs, with U independent
-// accumulators per input (one would chain every multiply-add on the previous one's latency). int8 rows are
-// scaled per group while read (group < k) or once at the end (one scale for the row).
-template <int MR, typename W>
-inline void dot_row(const float* const* x, const Matrix<W>& mat, int64_t row, const char* end, float* y,
-                    int64_t ldy) {
+// y[m * ldy + r] = dot(x[m], W[row + r]) for m < MR, r < NR: NR adjacent rows (one stretch of the run) read
+// once for the MR inputs, each input vector loaded once for the NR rows, with NR * U independent accumulators
+// per input (one would chain every multiply-add on the previous one's latency). int8 rows are scaled per group
+// while read (group < k) or once at the end (one scale for the row).
+template <int MR, int NR, typename W>
+inline void dot_rows(const float* const* x, const Matrix<W>& mat, int64_t row, const char* end, float* y,
+                     int64_t ldy) {
   constexpr bool kInt8 = std::is_same<W, int8_t>::value;
-  constexpr int U = MR == 1 ? 4 : 2, kW = Vec::kWidth;
-  const int64_t k = mat.k, vk = k - k % kW;
+  constexpr int U = MR == 1 && NR == 1 ? 4 : MR == 1 ? 2 : 1, kW = Vec::kWidth;
+  const int64_t k = mat.k, vk = k - k % kW, ng = k / mat.group;
   const W* w = mat.w + row * k;
-  const float* sc = kInt8 ? mat.scale + row * (k / mat.group) : nullptr;
+  const float* sc = kInt8 ? mat.scale + row * ng : nullptr;
   const bool grouped = kInt8 && mat.group < k;  // then group % kW == 0 (group_of) and vk == k
-  typename Vec::T acc[MR][U];
+  typename Vec::T acc[MR][NR][U], sv[NR];
   for (int m = 0; m < MR; ++m)
-    for (int u = 0; u < U; ++u) acc[m][u] = Vec::zero();
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < U; ++u) acc[m][r][u] = Vec::zero();
+  for (int r = 0; r < NR; ++r) sv[r] = Vec::set1(grouped ? sc[r * ng] : 1.f);
   int64_t c = 0, g = 0, bound = grouped ? mat.group : k;
-  typename Vec::T sv = Vec::set1(grouped ? sc[0] : 1.f);
   auto step = [&](int u) {
-    if (grouped && c >= bound) sv = Vec::set1(sc[++g]), bound += mat.group;  // a group spans >= one vector
-    typename Vec::T wv = Vec::load(w + c);
-    if (grouped) wv = Vec::mul(wv, sv);
-    for (int m = 0; m < MR; ++m) acc[m][u] = Vec::fma(wv, Vec::load(x[m] + c), acc[m][u]);
+    if (grouped && c >= bound) {  // a group spans at least one vector
+      ++g, bound += mat.group;
+      for (int r = 0; r < NR; ++r) sv[r] = Vec::set1(sc[r * ng + g]);
+    }
+    typename Vec::T wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = grouped ? Vec::mul(Vec::load(w + r * k + c), sv[r]) : Vec::load(w + r * k + c);
+    for (int m = 0; m < MR; ++m) {
+      const typename Vec::T xv = Vec::load(x[m] + c);
+      for (int r = 0; r < NR; ++r) acc[m][r][u] = Vec::fma(wv[r], xv, acc[m][r][u]);
+    }
     c += kW;
   };
   for (; c + U * kW <= vk;) {
-    prefetch_run(w + c, U * kW * sizeof(W), end);
+    for (int r = 0; r < NR; ++r) prefetch_run(w + r * k + c, U * kW * sizeof(W), end);
     for (int u = 0; u < U; ++u) step(u);
   }
   for (; c < vk;) step(0);
-  for (int m = 0; m < MR; ++m) {
-    for (int u = 1; u < U; ++u) acc[m][0] = Vec::add(acc[m][0], acc[m][u]);
-    float s = Vec::sum(acc[m][0]);
-    for (int64_t t = vk; t < k; ++t) s += static_cast<float>(w[t]) * x[m][t];  // ungrouped: unscaled here
-    y[m * ldy] = kInt8 && !grouped ? s * sc[0] : s;
-  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) {
+      for (int u = 1; u < U; ++u) acc[m][r][0] = Vec::add(acc[m][r][0], acc[m][r][u]);
+      float s = Vec::sum(acc[m][r][0]);
+      for (int64_t t = vk; t < k; ++t) s += static_cast<float>(w[r * k + t]) * x[m][t];  // ungrouped: unscaled
+      y[m * ldy + r] = kInt8 && !grouped ? s * sc[r * ng] : s;
+    }
 }
 
-// y[m * ldy + (j - j0)] = dot(x[m], W[j]) for rows j0 <= j < j1 and m < rows: row by row (the run streams
-// once), each row against the inputs in passes of up to kMaxRows (a row's later passes read it from L1).
+template <int NR, typename W>
+inline void dot_rows_any(int mr, const float* const* x, const Matrix<W>& mat, int64_t row, const char* end, float* y,
+                         int64_t ldy) {
+  if (mr == 1) dot_rows<1, NR>(x, mat, row, end, y, ldy);
+  else if (mr == 2) dot_rows<2, NR>(x, mat, row, end, y, ldy);
+  else if (mr == 3) dot_rows<3, NR>(x, mat, row, end, y, ldy);
+  else dot_rows<4, NR>(x, mat, row, end, y, ldy);
+}
+
+// y[m * ldy + (j - j0)] = dot(x[m], W[j]) for rows j0 <= j < j1 and m < rows: two rows at a time (the run
+// streams once), each pair against the inputs in passes of up to kMaxRows (later passes read it from L1).
 template <typename W>
 void dot_run(const float* const* x, int64_t rows, const Matrix<W>& mat, int64_t j0, int64_t j1, float* y,
              int64_t ldy) {
   const char* end = reinterpret_cast<const char*>(mat.w + j1 * mat.k);
-  for (int64_t j = j0; j < j1; ++j)
+  for (int64_t j = j0; j < j1; j += 2)
     for (int64_t m0 = 0; m0 < rows; m0 += Vec::kMaxRows) {
       const int mr = static_cast<int>(std::min<int64_t>(Vec::kMaxRows, rows - m0));
       float* yj = y + m0 * ldy + (j - j0);
-      if (mr == 1) dot_row<1>(x + m0, mat, j, end, yj, ldy);
-      else if (mr == 2) dot_row<2>(x + m0, mat, j, end, yj, ldy);
-      else if (mr == 3) dot_row<3>(x + m0, mat, j, end, yj, ldy);
-      else dot_row<4>(x + m0, mat, j, end, yj, ldy);
+      if (j + 1 < j1) dot_rows_any<2>(mr, x + m0, mat, j, end, yj, ldy);
+      else dot_rows_any<1>(mr, x + m0, mat, j, end, yj, ldy);
     }
 }
 
