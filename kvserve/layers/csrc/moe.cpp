@@ -35,7 +35,8 @@ namespace {
 struct Vec {
   using T = __m512;
   static constexpr int kWidth = 16;
-  static constexpr int kMaxRows = 4;  // tokens per pass over a weight row (dot_rows: 4 x 2 x 1 accumulators)
+  static constexpr int kMaxRows = 4;  // tokens per pass over a weight row (dot_rows: 4 x 4 x 1 accumulators)
+  static constexpr int kRows = 4;     // adjacent weight rows per read
   static T zero() { return _mm512_setzero_ps(); }
   static T set1(float v) { return _mm512_set1_ps(v); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }
@@ -55,7 +56,8 @@ struct Vec {
 struct Vec {
   using T = __m256;
   static constexpr int kWidth = 8;
-  static constexpr int kMaxRows = 4;  // 16 registers: 4 x 2 accumulators, the weight vector, its scale
+  static constexpr int kMaxRows = 4;  // 16 registers: 4 x 2 accumulators, two weight vectors, their scales
+  static constexpr int kRows = 2;
   static T zero() { return _mm256_setzero_ps(); }
   static T set1(float v) { return _mm256_set1_ps(v); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
@@ -80,6 +82,7 @@ struct Vec {
   using T = float;
   static constexpr int kWidth = 1;
   static constexpr int kMaxRows = 4;
+  static constexpr int kRows = 4;
   static T zero() { return 0.f; }
   static T set1(float v) { return v; }
   static T load(const float* p) { return *p; }
@@ -118,7 +121,8 @@ template <int MR, int NR, typename W>
 inline void dot_rows(const float* const* x, const Matrix<W>& mat, int64_t row, const char* end, float* y,
                      int64_t ldy) {
   constexpr bool kInt8 = std::is_same<W, int8_t>::value;
-  constexpr int U = MR == 1 && NR == 1 ? 4 : MR == 1 ? 2 : 1, kW = Vec::kWidth;
+  constexpr int U = std::max(1, (MR == 1 ? 4 : 2) / NR);  // NR * U chains per input: 4 alone, else 2 or more
+  constexpr int kW = Vec::kWidth;
   const int64_t k = mat.k, vk = k - k % kW, ng = k / mat.group;
   const W* w = mat.w + row * k;
   const float* sc = kInt8 ? mat.scale + row * ng : nullptr;
@@ -165,19 +169,22 @@ inline void dot_rows_any(int mr, const float* const* x, const Matrix<W>& mat, in
   else dot_rows<4, NR>(x, mat, row, end, y, ldy);
 }
 
-// y[m * ldy + (j - j0)] = dot(x[m], W[j]) for rows j0 <= j < j1 and m < rows: two rows at a time (the run
-// streams once), each pair against the inputs in passes of up to kMaxRows (later passes read it from L1).
+// y[m * ldy + (j - j0)] = dot(x[m], W[j]) for rows j0 <= j < j1 and m < rows: Vec::kRows rows at a time (the
+// run streams once), each stretch against the inputs in passes of up to kMaxRows (later passes from L1).
 template <typename W>
 void dot_run(const float* const* x, int64_t rows, const Matrix<W>& mat, int64_t j0, int64_t j1, float* y,
              int64_t ldy) {
   const char* end = reinterpret_cast<const char*>(mat.w + j1 * mat.k);
-  for (int64_t j = j0; j < j1; j += 2)
+  for (int64_t j = j0; j < j1;) {
+    const int64_t nr = j + Vec::kRows <= j1 ? Vec::kRows : 1;  // the run's last rows one by one
     for (int64_t m0 = 0; m0 < rows; m0 += Vec::kMaxRows) {
       const int mr = static_cast<int>(std::min<int64_t>(Vec::kMaxRows, rows - m0));
       float* yj = y + m0 * ldy + (j - j0);
-      if (j + 1 < j1) dot_rows_any<2>(mr, x + m0, mat, j, end, yj, ldy);
+      if (nr == Vec::kRows) dot_rows_any<Vec::kRows>(mr, x + m0, mat, j, end, yj, ldy);
       else dot_rows_any<1>(mr, x + m0, mat, j, end, yj, ldy);
     }
+    j += nr;
+  }
 }
 
 // The input rows of a pass, row i at f + i * k; for int8 weights at one or two tokens (`fixed`) also a 16-bit
