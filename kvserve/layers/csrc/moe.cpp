@@ -343,13 +343,14 @@ struct Ranges {
 
 constexpr int64_t kMinRun = 32 << 10, kMaxRun = 512 << 10;  // bytes of one matrix a range streams in one run
 constexpr int64_t kMaxRange = 4 << 20;                          // bytes of a down range over all active experts
+constexpr int64_t kMinRows = 16;  // rows of a range at least: many active experts' short runs cost per run
 
 // Units of `unit_bytes` (one weight row of each run a unit spans) in ranges of one run between kMinRun and
 // kMaxRun bytes, and at most `max_bytes` in all (`runs` runs per range).
 Ranges ranges_of(int64_t total, int64_t row_bytes, int64_t runs, int64_t max_bytes, int64_t align) {
-  const int64_t lo = std::max<int64_t>(1, kMinRun / row_bytes);
+  const int64_t lo = std::max<int64_t>(kMinRows, kMinRun / row_bytes);
   const int64_t hi = std::max(lo, std::min(kMaxRun / row_bytes, max_bytes / (row_bytes * runs)));
-  return Ranges{{0}, total, lo, hi, align};
+  return Ranges{{0}, total, lo, hi, std::max<int64_t>(align, Vec::kRows)};
 }
 
 Rows from_row(Rows in, int64_t r0) {  // in's rows from r0 on
