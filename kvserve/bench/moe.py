@@ -15,11 +15,14 @@ from memory, as in a model whose 48 layers do not fit in the caches. Per batch s
 (a batch marked *) that is the sorted path.
 Outputs are compared with transformers' first (int8: with kvserve's reference path on the dequantized weights, and
 with transformers for scale), and a path that disagrees fails the run before anything is timed.
+`--baseline FILE.cpp` also times another build of the expert kernel (layers/csrc/moe.cpp from an older commit) on
+the same inputs and weights as `baseline`: before/after in one run, as ratios.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from kvserve.config.quantization import DEFAULT_GROUP_SIZE
 from kvserve.layers import moe_fused
 from kvserve.layers.moe import IMPLS, FusedMoE
+from kvserve.layers.moe_router import select_experts
 from kvserve.utils.cpu_features import describe_isa, isa_info
 
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -50,11 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="int8 inputs per scale (-1: one per output channel)")
     parser.add_argument("--impls", default="fused,sorted", help=f"kvserve paths to time, of {', '.join(IMPLS)}")
     parser.add_argument("--stream-mib", type=int, default=1024, help="size of the read-rate measurement")
+    parser.add_argument("--baseline", metavar="FILE.cpp", default=None,
+                        help="also time this build of the expert kernel (layers/csrc/moe.cpp from another commit)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the result as JSON too")
 
 
-def _transformers_block(args, dtype: torch.dtype, g: torch.Generator):
+def transformers_block(args, dtype: torch.dtype, g: torch.Generator):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -70,7 +76,7 @@ def _transformers_block(args, dtype: torch.dtype, g: torch.Generator):
     return block.to(dtype).eval()
 
 
-def _ours(args, block) -> FusedMoE:
+def kvserve_layer(args, block) -> FusedMoE:
     """kvserve's layer on transformers' own tensors (the same [E, 2I, H] / [E, H, I] layout: no copy)."""
     method = None
     if args.quantization == "int8":
@@ -88,22 +94,55 @@ def _call_ours(layer: FusedMoE, router: torch.Tensor, impl: str, x: torch.Tensor
     return layer.forward(x, F.linear(x, router))
 
 
+def _load_baseline(path: str):
+    """The kernel module built from `path` (its own cache entry, keyed by the source text: the current source
+    loads the build FusedMoE runs)."""
+    from kvserve.utils.cpp_extension import build_extension
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--baseline: no such file: {path}")
+    module = build_extension("kvserve_moe", path, "baseline MoE experts")
+    if module is None or not hasattr(module, "moe_experts"):
+        raise ValueError(f"--baseline: {path} did not build as an expert kernel (see the log)")
+    return module
+
+
+def _call_kernel(module, layer: FusedMoE, router: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The layer's routing, then `module`'s expert kernel on the layer's weights (as moe_fused.experts_fused)."""
+    weights, ids = select_experts(F.linear(x, router), layer.top_k, layer.renormalize)
+    if layer.int8 is not None:
+        w13, w2, s13, s2 = layer.int8[0].q, layer.int8[1].q, layer.int8[0].scales, layer.int8[1].scales
+    else:
+        w13, w2, s13, s2 = layer.w13, layer.w2, torch.empty(0), torch.empty(0)
+    out = module.moe_experts(x.float().contiguous(), ids.contiguous(), weights.float().contiguous(), w13, w2, s13, s2,
+                             layer.fixed_point and layer.int8 is not None)
+    return out.to(x.dtype)
+
+
+def timed_paths(layer: FusedMoE, router: torch.Tensor, impls: list[str], baseline) -> dict:
+    """name -> x -> the layer's output, for every kvserve path timed (and the baseline kernel's)."""
+    paths = {impl: (lambda x, impl=impl: _call_ours(layer, router, impl, x)) for impl in impls}
+    if baseline is not None:
+        paths["baseline"] = lambda x: _call_kernel(baseline, layer, router, x)
+    return paths
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def check_agreement(args, block, layer: FusedMoE, impls: list[str], x: torch.Tensor) -> dict[str, float]:
+def check_agreement(args, block, layer: FusedMoE, paths: dict, x: torch.Tensor) -> dict[str, float]:
     """max |path - reference| / max |reference| per path: the reference is transformers, or for int8 kvserve's
     reference path on the dequantized weights (`vs transformers` then shows the quantization error)."""
     router = block.gate.weight
     theirs = block(x[None])[0]
     errors = {}
     want = _call_ours(layer, router, "reference", x) if layer.int8 is not None else theirs
-    for impl in impls:
-        got = _call_ours(layer, router, impl, x)
-        errors[impl] = _relative_error(got, want)
+    for name, fn in paths.items():
+        got = fn(x)
+        errors[name] = _relative_error(got, want)
         if layer.int8 is not None:
-            errors[f"{impl} vs transformers"] = _relative_error(got, theirs)
+            errors[f"{name} vs transformers"] = _relative_error(got, theirs)
     return errors
 
 
@@ -120,21 +159,24 @@ def _timed(fn, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def time_batch(args, block, layer: FusedMoE, impls: list[str], batch: int, dtype: torch.dtype,
+def time_batch(args, block, layer: FusedMoE, ours: dict, batch: int, dtype: torch.dtype,
                g: torch.Generator, stream_gbps: float) -> dict:
     """One row: every path on the same `repeat` inputs, alternating call by call."""
     router = block.gate.weight
-    paths = {impl: (lambda x, impl=impl: _call_ours(layer, router, impl, x)) for impl in impls}
+    paths = dict(ours)
     paths["transformers"] = lambda x: block(x[None])
     xs = [torch.randn(batch, args.hidden_size, generator=g).to(dtype) for _ in range(args.repeat + 1)]
     for fn in paths.values():  # warm-up: kernel builds, allocator, thread pool
         fn(xs[-1])
     seconds = {name: [] for name in paths}
     per_expert, active = expert_bytes(layer, args.hidden_size), []
-    for x in xs[:-1]:
+    names = list(paths)
+    for i, x in enumerate(xs[:-1]):
         active.append(torch.topk(F.linear(x, router).float(), args.top_k, dim=-1).indices.unique().numel())
-        for name, fn in paths.items():
-            seconds[name].append(_timed(fn, x))
+        # each call by a path after the first finds some of these experts' weights in the last-level cache (a
+        # batch's experts can fit there): the path that goes first changes from call to call
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            seconds[name].append(_timed(paths[name], x))
     held = layer.int8[0].q if layer.int8 is not None else layer.w13
     row = {"batch": batch, "active_experts": statistics.mean(active),
            "active_mb": statistics.mean(active) * per_expert / 1e6,
@@ -144,6 +186,8 @@ def time_batch(args, block, layer: FusedMoE, impls: list[str], batch: int, dtype
         gbps = statistics.median(n * per_expert / t / 1e9 for n, t in zip(active, times))
         row[name] = {"ms": statistics.median(times) * 1e3, "gbps": gbps, "of_stream": gbps / stream_gbps,
                      "speedup_vs_transformers": tf / statistics.median(times)}
+        if "baseline" in seconds:
+            row[name]["speedup_vs_baseline"] = statistics.median(seconds["baseline"]) / statistics.median(times)
     return row
 
 
@@ -160,6 +204,10 @@ def _print_table(rows: list[dict], names: list[str]) -> None:
             line += (f" | {r['ms']:>15.3f} {r['gbps']:>6.1f} {r['of_stream']:>6.0%} "
                      f"{r['speedup_vs_transformers']:>5.2f}x")
         print(line)
+    if "baseline" in names:
+        print("vs baseline kernel: " + "; ".join(
+            f"batch {row['batch']}: " + ", ".join(f"{n} {row[n]['speedup_vs_baseline']:.2f}x" for n in names
+                                                 if n not in ("baseline", "transformers")) for row in rows))
     if not all(row["fused_kernel"] for row in rows):
         print("*: past moe_fused's rows per expert for the kernel: `fused` ran the sorted path, as FusedMoE does")
 
@@ -188,9 +236,10 @@ def run(args) -> int:
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(args.seed)
     with torch.inference_mode():
-        block = _transformers_block(args, dtype, g)
-        layer = _ours(args, block)
-        errors = check_agreement(args, block, layer, impls,
+        block = transformers_block(args, dtype, g)
+        layer = kvserve_layer(args, block)
+        ours = timed_paths(layer, block.gate.weight, impls, _load_baseline(args.baseline) if args.baseline else None)
+        errors = check_agreement(args, block, layer, ours,
                                  torch.randn(max(batches), args.hidden_size, generator=g).to(dtype))
         print("agreement (max |diff| / max |reference|): " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
         bad = _disagreeing(errors, dtype)
@@ -198,12 +247,12 @@ def run(args) -> int:
             print(f"kvserve bench moe: paths disagree with the reference: {bad}; nothing timed")
             return 1
         stream = stream_gbps(args.stream_mib)
-        rows = [time_batch(args, block, layer, impls, b, dtype, g, stream) for b in batches]
+        rows = [time_batch(args, block, layer, ours, b, dtype, g, stream) for b in batches]
     quant = f", int8 experts (group {args.quantization_group_size})" if layer.int8 is not None else ""
     print(f"MoE layer: hidden {args.hidden_size}, intermediate {args.intermediate_size}, {args.num_experts} experts, "
           f"top-{args.top_k}, {args.dtype}{quant}; {torch.get_num_threads()} threads; read rate {stream:.1f} GB/s")
     print(f"instruction sets: {describe_isa()}")
-    _print_table(rows, impls + ["transformers"])
+    _print_table(rows, list(ours) + ["transformers"])
     if args.json:
         print(json.dumps({"config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                           "threads": torch.get_num_threads(), "isa": isa_info(), "stream_gbps": stream,

@@ -107,9 +107,10 @@ def moe(ctx: Context) -> Row:
                               "--batch-sizes", p.moe_batches, "--repeat", str(p.moe_repeat)])
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        block = moe_bench._transformers_block(args, torch.float32, g)
-        layer = moe_bench._ours(args, block)
-        rows = [moe_bench.time_batch(args, block, layer, ["fused", "reference"], int(b), torch.float32, g, 1.0)
+        block = moe_bench.transformers_block(args, torch.float32, g)
+        layer = moe_bench.kvserve_layer(args, block)
+        paths = moe_bench.timed_paths(layer, block.gate.weight, ["fused", "reference"], None)
+        rows = [moe_bench.time_batch(args, block, layer, paths, int(b), torch.float32, g, 1.0)
                 for b in p.moe_batches.split(",")]
     speedups = {f"batch_{r['batch']}": r["reference"]["ms"] / r["fused"]["ms"] for r in rows}
     best = max(speedups.values())

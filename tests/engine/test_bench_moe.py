@@ -3,6 +3,7 @@ and a path that disagrees fails the run before timing."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -50,3 +51,19 @@ def test_bad_flags_are_errors():
         _run(TINY[:-1] + ["fast"])
     with pytest.raises(ValueError, match="--batch-sizes"):
         _run(TINY + ["--batch-sizes", "0"])
+
+
+@pytest.mark.skipif(not moe_fused.available(), reason="the fused MoE C++ kernel does not build here")
+def test_baseline_kernel_is_timed_against_the_same_inputs(capsys):
+    """--baseline FILE.cpp: another build of the expert kernel (here the current source: the cached build) runs on
+    the layer's weights and routing, agrees, and every path gets its speed-up over it."""
+    source = os.path.join(os.path.dirname(moe_fused.__file__), "csrc", "moe.cpp")
+    assert _run(TINY + ["--baseline", source, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "vs baseline kernel: batch 1: fused" in out
+    result = json.loads(out[out.index("{"):])
+    assert result["agreement"]["baseline"] <= 1e-4
+    for row in result["rows"]:
+        assert row["baseline"]["speedup_vs_baseline"] == 1.0 and row["fused"]["speedup_vs_baseline"] > 0
+    with pytest.raises(ValueError, match="--baseline: no such file"):
+        _run(TINY + ["--baseline", source + ".missing"])
