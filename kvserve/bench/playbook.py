@@ -11,9 +11,7 @@ alone. Rows the engine cannot measure say so. Never asserts; what pays on this m
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import json
 import subprocess
 import traceback
 from collections.abc import Callable
@@ -23,6 +21,7 @@ import torch
 from kvserve.bench import playbook_rows_cache as cache_rows
 from kvserve.bench import playbook_rows_other as other_rows
 from kvserve.bench import playbook_rows_sched as sched_rows
+from kvserve.bench.engine_flags import engine_flags
 from kvserve.bench.playbook_presets import PRESETS, Preset
 from kvserve.bench.playbook_report import FAILED, Row, plot, print_table, write_json
 from kvserve.bench.playbook_run import Context
@@ -60,23 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write a PNG bar chart (measured vs claimed range) to PATH (needs kvserve[plot])")
     EngineArgs.add_cli_args(parser.add_argument_group("engine (every side of every row starts from these)"))
-
-
-def engine_flags(args: EngineArgs) -> list[str]:
-    """The flags that give `args` from the defaults (for the reproduce commands)."""
-    defaults, flags = EngineArgs(), []
-    for f in dataclasses.fields(EngineArgs):
-        value = getattr(args, f.name)
-        if value == getattr(defaults, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + flag[2:])
-        elif value is None:
-            flags += [flag, "none"]
-        else:
-            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    return flags
 
 
 def _quote(word: str) -> str:

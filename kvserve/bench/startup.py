@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvserve.bench.engine_flags import engine_flags as serve_flags
 from kvserve.cli.standalone import standalone_main
 from kvserve.config import EngineArgs
 from kvserve.utils.cpu_isa import selected_isa
@@ -70,23 +71,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(runs, report["command"], report["isa"]))
     return 0
-
-
-def serve_flags(engine_args: EngineArgs) -> list[str]:
-    """The `kvserve serve` flags that give `engine_args` (those that differ from the defaults)."""
-    defaults, out = EngineArgs(), []
-    for f in dataclasses.fields(EngineArgs):
-        value = getattr(engine_args, f.name)
-        if value == getattr(defaults, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, (tuple, list)):
-            out += [flag, *map(str, value)]
-        elif value is not None:
-            out += [flag, str(value)]
-    return out
 
 
 def start_once(flags: list[str], timeout: float, prompt: str) -> StartupRun:
