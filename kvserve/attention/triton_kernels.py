@@ -55,7 +55,8 @@ def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_
                            stride_ot, stride_oh, stride_bt, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_Q: tl.constexpr, DECODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr):
+                           DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr,
+                           PER_ROW: tl.constexpr = False):
     """DECODE: program i is request i's one query token (tile arrays unused); else program i is the tile
     (tile_req[i], first query tile_q0[i] within that request).
 
@@ -64,7 +65,12 @@ def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_
     [B, S, Hq, D], part_lse [B, S, Hq], float32) for decode_combine_kernel, so that a small batch still
     fills the GPU (the splits share the pages from the window's first on).
 
-    WINDOWED: `window` (int) is the sliding window; SOFT_CAP: `soft_cap` (float) the logit cap; unused otherwise."""
+    WINDOWED: `window` (int) is the sliding window; SOFT_CAP: `soft_cap` (float) the logit cap; unused otherwise.
+
+    PER_ROW (with DECODE, batch-invariant mode): program i is query token i of the step, with query_start and
+    seq_lens given per token (i and its position + 1) and tile_req[i] the row of its request's block table, so
+    every token, whether a decode, a draft being verified or a row of a prefill chunk, is reduced over its keys
+    by the same program in the same page order as a decode at its position."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,6 +80,9 @@ def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_
     else:
         req = tl.load(tile_req_ptr + pid)
         q0 = tl.load(tile_q0_ptr + pid)
+    table_row = req
+    if PER_ROW:
+        table_row = tl.load(tile_req_ptr + pid)
     q_start = tl.load(query_start_ptr + req)
     q_len = tl.load(query_start_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
@@ -106,7 +115,7 @@ def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_
     first_page = page0 + split * pages_per_split
     last_page = tl.minimum(first_page + pages_per_split, num_pages)
     for j in range(first_page, last_page):
-        block = tl.load(block_table_ptr + req * stride_bt + j).to(tl.int64)
+        block = tl.load(block_table_ptr + table_row * stride_bt + j).to(tl.int64)
         k_pos = j * PAGE + p_off                                              # [P]
         k_ok = k_pos < num_keys
         kv_off = (block * PAGE + p_off)[:, None] * row_stride + kvh * HEAD_DIM + d[None, :]   # [P, D]

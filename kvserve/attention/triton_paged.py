@@ -9,6 +9,15 @@ decode-only step (worker/cuda_graph.py): a padded row there has slot -1 (its K/V
 seq_len 0 (its output is zeros).
 
 An int8/fp8 cache is not read by these kernels: the registry picks torch_ref for it.
+
+Batch-invariant mode (`batch_invariant=True`, `--batch-invariant`): a token's attention output must not depend
+on what else is in the step. The default launches break that twice: the decode launch splits KV by the
+batch size and the SM count, and a prefill tile reduces 16 tokens together in a kernel compiled for that
+tile. So in this mode there is one launch of the decode kernel over every query token of the step (PER_ROW:
+each token with its own position and its request's block-table row) with one split: every row, whether a
+decode, a draft being verified or a row of a prefill chunk, runs the same program over the same pages in
+the same order. Prefill rows then read their K/V once per token instead of once per tile: the price of the
+mode on long prompts.
 """
 from __future__ import annotations
 
@@ -56,6 +65,33 @@ class TritonMetadata:
     tile_req: torch.Tensor | None    # [N] int64: request of each prefill tile
     tile_q0: torch.Tensor | None     # [N] int64: its first query index within the request
     block_q: int                     # query tokens per prefill tile
+    rows: TokenRows | None = None    # batch-invariant mode: every query token as a decode of its own
+
+
+@dataclass
+class TokenRows:
+    """Batch-invariant mode: query token i as a one-token request (the decode kernel's PER_ROW inputs)."""
+
+    starts: torch.Tensor      # [T + 1] int64: 0..T
+    seq_lens: torch.Tensor    # [T] int64: the token's position + 1
+    table_rows: torch.Tensor  # [T] int64: its request's row of the block table
+
+
+def token_rows(common: CommonAttentionMetadata) -> TokenRows:
+    """Every query token of the step as a decode at its position, computed on the host (no device sync)."""
+    lens = np.asarray(common.query_lens_cpu, dtype=np.int64)
+    if common.num_decodes == len(lens):
+        # NOTE: a decode-only step's tokens are its requests and query_start_loc is 0..B: views of the step's
+        # tensors, no copy, so a CUDA graph captured on the decode buffers keeps reading the live values.
+        qsl = common.query_start_loc
+        return TokenRows(qsl, common.seq_lens, qsl[:-1])
+    req = np.repeat(np.arange(len(lens)), lens)
+    first = np.repeat(np.cumsum(lens) - lens, lens)
+    ctx = np.asarray(common.seq_lens_cpu, dtype=np.int64) - lens
+    pos = ctx[req] + np.arange(int(lens.sum())) - first
+    dev = common.seq_lens.device
+    packed = torch.from_numpy(np.stack((pos + 1, req))).to(dev)              # one host-to-device copy
+    return TokenRows(torch.arange(len(pos) + 1, device=dev), packed[0], packed[1])
 
 
 def _next_pow2(n: int) -> int:
@@ -78,10 +114,14 @@ class TritonPagedBackend:
     name = "triton_paged"
     supports_cuda_graphs = True
 
-    def __init__(self, kernels=None, decode_splits: int | None = None):
+    def __init__(self, kernels=None, decode_splits: int | None = None, batch_invariant: bool = False):
+        if batch_invariant and decode_splits not in (None, 1):
+            raise ValueError(f"triton_paged: batch-invariant mode reads KV in one split, got decode_splits="
+                             f"{decode_splits}")
         self.kernels = kernels or importlib.import_module("kvserve.attention.triton_kernels")
-        self.decode_splits = decode_splits
+        self.decode_splits = 1 if batch_invariant else decode_splits
         """Split-KV ways of the decode launch; None: chosen from the batch and the device's SM count."""
+        self.batch_invariant = batch_invariant
 
     def num_decode_splits(self, num_decodes: int, num_kv_heads: int, device: torch.device) -> int:
         """Enough (request, KV head, split) programs for about two per SM, at most _MAX_SPLITS. It depends on
@@ -101,6 +141,9 @@ class TritonPagedBackend:
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonMetadata:
         nd = common.num_decodes
+        if self.batch_invariant:
+            return TritonMetadata(common.slot_mapping, common.query_start_loc, common.seq_lens, common.block_table,
+                                  common.block_size, nd, None, None, 1, rows=token_rows(common))
         # NOTE: tiles are cut in tokens, not rows: the GQA group is known only in forward, whose programs
         # have block_q x group rows.
         block_q = _PREFILL_TOKENS
@@ -133,6 +176,13 @@ class TritonPagedBackend:
         consts = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
                       PAGE=meta.block_size, DOT_PRECISION=precision, WINDOWED=sliding_window is not None,
                       SOFT_CAP=logits_soft_cap is not None)
+        if meta.rows is not None:
+            rows = meta.rows
+            kern.paged_attention_kernel[(num_tokens, num_kv_heads, 1)](
+                out, q, kv_cache, meta.block_table, rows.starts, rows.seq_lens, rows.table_rows, rows.seq_lens,
+                out, out, *scalars, BLOCK_M=max(_MIN_ROWS, _next_pow2(group)), BLOCK_Q=1, DECODE=True, NUM_SPLITS=1,
+                PER_ROW=True, **consts)
+            return out
         nd = meta.num_decodes
         if nd:
             splits = self.num_decode_splits(nd, num_kv_heads, q.device)
