@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check (issue 16), one prepared run on one CUDA GPU, under 8 minutes, ending in one summary table:
+# The GPU check (issue 16), one prepared run on one CUDA GPU, under 9 minutes, ending in one summary table:
 #   1. the suite's GPU tests: Triton kernels vs the PyTorch reference (bf16/fp16, head_dim 128, both block
-#      sizes), CUDA graphs vs eager, seeded device sampling, golden greedy vs transformers on the GPU
+#      sizes), the batch-invariant matmul, norm and attention (bit-identical rows), CUDA graphs vs eager, seeded device sampling, golden greedy vs transformers on the GPU
 #      (tiny random Llama; SmolLM2 from the built-in GGUF when it is installed);
 #   2. scripts/gpu_bench.py on an 8B-shaped dummy model: the offline `mixed` workload vs transformers static
-#      batches of 16 (same run), and decode at batch 1 and 64 as fractions of HBM bandwidth and bf16 peak.
+#      batches of 16 (same run), and decode at batch 1 and 64 as fractions of HBM bandwidth and bf16 peak;
+#   3. scripts/gpu_invariance_bench.py: batch-invariant mode's matmul and attention against the default ones.
 # Run from anywhere: it works in the repository root. Needs no network: it uses the Python that has torch
 # with CUDA (PYTHON=..., else .venv/bin/python, else python3) and the source tree on PYTHONPATH; wheels of
 # anything missing may be carried in ./.whl (installed with --no-index into a scratch folder).
@@ -51,10 +52,10 @@ if [ -z "$WORKLOAD" ]; then
 fi
 echo "gpu_check: workload ${WORKLOAD:-none found, synthetic prompts of the same lengths}"
 
-# 1. the GPU tests (capped at 220 s; with the bench's 200 s the run stays under 8 minutes)
+# 1. the GPU tests (capped at 220 s; with the benches' 200 + 60 s the run stays under 9 minutes)
 start=$(date +%s)
 timeout 220 "$PY" -m pytest -q -p no:cacheprovider -rs tests/e2e/test_triton_attention.py tests/e2e/test_cuda_graph.py \
-    tests/e2e/test_triton_attention_window.py \
+    tests/e2e/test_triton_attention_window.py tests/e2e/test_triton_batch_invariant.py \
     tests/e2e/test_gpu_golden.py 2>&1 | tee "$RESULTS/pytest.log"
 rc=${PIPESTATUS[0]}
 summary=$(grep -E '[0-9]+ (passed|failed|error)' "$RESULTS/pytest.log" | tail -1)
@@ -77,6 +78,16 @@ if [ -s "$RESULTS/bench.jsonl" ]; then
     while IFS= read -r line; do ROWS+=("$line"); done < <("$PY" scripts/gpu_table.py "$RESULTS/bench.jsonl")
 elif [ "$rc" -eq 0 ]; then
     row "8B dummy bench" FAIL "no figures written"
+fi
+
+# 3. what batch-invariant mode's kernels cost against the default ones, same run (capped at 60 s)
+start=$(date +%s)
+timeout 60 "$PY" scripts/gpu_invariance_bench.py 2>&1 | tee "$RESULTS/invariance.log"
+rc=${PIPESTATUS[0]}
+if [ "$rc" -eq 0 ]; then
+    while IFS= read -r line; do ROWS+=("$line"); done < <(grep ' INFO ' "$RESULTS/invariance.log")
+else
+    row "batch-invariant kernels bench" FAIL "exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out after 60 s)'); see $RESULTS/invariance.log"
 fi
 
 echo

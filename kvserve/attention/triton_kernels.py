@@ -49,7 +49,9 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
-@triton.jit
+# NOTE: the block table's row stride (its width, the step's longest table) is not specialised on: a width
+# divisible by 16 would otherwise compile a second kernel, and batch-invariant mode wants one for every step.
+@triton.jit(do_not_specialize=["stride_bt"])
 def paged_attention_kernel(out_ptr, q_ptr, kv_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr, tile_req_ptr,
                            tile_q0_ptr, part_out_ptr, part_lse_ptr, scale, window, soft_cap, stride_qt, stride_qh,
                            stride_ot, stride_oh, stride_bt, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,

@@ -89,9 +89,14 @@ def token_rows(common: CommonAttentionMetadata) -> TokenRows:
     first = np.repeat(np.cumsum(lens) - lens, lens)
     ctx = np.asarray(common.seq_lens_cpu, dtype=np.int64) - lens
     pos = ctx[req] + np.arange(int(lens.sum())) - first
-    dev = common.seq_lens.device
-    packed = torch.from_numpy(np.stack((pos + 1, req))).to(dev)              # one host-to-device copy
-    return TokenRows(torch.arange(len(pos) + 1, device=dev), packed[0], packed[1])
+    t = len(pos)
+    # NOTE: one host-to-device copy of both arrays, each row padded to an even length so that both start
+    # 16-byte aligned: Triton compiles a kernel per pointer alignment, and one kernel serves every step.
+    packed = np.zeros((2, t + t % 2), dtype=np.int64)
+    packed[0, :t], packed[1, :t] = pos + 1, req
+    device = common.seq_lens.device
+    rows = torch.from_numpy(packed).to(device)
+    return TokenRows(torch.arange(t + 1, device=device), rows[0, :t], rows[1, :t])
 
 
 def _next_pow2(n: int) -> int:
