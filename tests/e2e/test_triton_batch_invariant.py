@@ -239,6 +239,19 @@ def test_half_precision_rows_are_invariant(kernels):
                       rng=torch.Generator().manual_seed(6))
 
 
+def test_split_kv_is_what_the_mode_removes(kernels):
+    """The check has teeth: by default a decode's KV range is split (here 3 ways) and the parts combined, so
+    the same token as a row of a prefill chunk (never split) gets other bits; both are correct."""
+    from kvserve.attention.triton_paged import TritonPagedBackend
+
+    s = _seqs(8, [80, 20], block_size=16, hq=4, hkv=1, d=16, dtype=torch.float32)
+    for backend, same in ((TritonPagedBackend(kernels, decode_splits=3), False), (_invariant(kernels), True)):
+        decode = _attend(backend, s, [(0, 70, 1)])[0][0]
+        row = _attend(backend, s, [(0, 60, 11)])[0][10]
+        assert torch.equal(decode, row) is same
+        torch.testing.assert_close(decode, row, atol=1e-5, rtol=1e-5)
+
+
 def test_invariant_and_default_modes_match_the_reference(kernels):
     """The same mixed step (decodes, prefill chunks after context) in both modes against torch_ref."""
     from kvserve.attention.triton_paged import TritonPagedBackend

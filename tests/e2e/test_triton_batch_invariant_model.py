@@ -1,7 +1,7 @@
 """A whole model on the Triton path's batch-invariant pieces, through Triton's interpreter on CPU tensors: linear
 layers and the LM head on triton_batch_invariant.linear, norms on its add_rms_norm, attention on triton_paged's
 batch-invariant mode. One sequence's hidden states and logits are the same bits however its tokens are
-scheduled: one at a time alone, in prefill chunks of 1..40 beside other requests' decodes and chunks, as rows
+scheduled: one at a time alone, in prefill chunks of 1..24 beside other requests' decodes and chunks, as rows
 verifying drafts (decode_groups); and they match transformers. Steps are built by hand (the engine's
 `--batch-invariant` wiring is tested with it), so each schedule is exactly the one named."""
 from __future__ import annotations
@@ -24,7 +24,8 @@ _OTHERS = [(1, 30), (2, 20), (3, 25)]  # other sequences (id, length): their row
 
 @pytest.fixture(scope="module")
 def invariant_model(tmp_path_factory):
-    """(model, backend, R's tokens, HF oracle) of a tiny Granite (Llama with multipliers), vocabulary 512."""
+    """(model, backend, R's tokens, HF oracle) of a tiny Granite (Llama with multipliers), one layer and a
+    vocabulary of 512: the interpreter's cost is per program."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET=1 was not set before triton was imported")
     from kvserve.attention.triton_paged import TritonPagedBackend
@@ -43,14 +44,14 @@ def invariant_model(tmp_path_factory):
         add_rms_norm = staticmethod(bi.add_rms_norm)
 
     path = str(tmp_path_factory.mktemp("granite_bi"))
-    hf = make_checkpoint(path, "granite", seed=3, vocab_size=512)
+    hf = make_checkpoint(path, "granite", seed=3, vocab_size=512, num_hidden_layers=1)
     source = ModelSource("hf", path)
     backend = TritonPagedBackend(importlib.import_module("kvserve.attention.triton_kernels"), batch_invariant=True)
     model = build_model(load_hf_config(source), backend, 128, torch.float32, torch.device("cpu"),
                         bi.TritonBatchInvariantMethod())
     load_weights(model, iter_checkpoint_tensors(source, torch.float32))
     model.ops = NormOps()
-    tokens = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    tokens = torch.randint(3, 512, (24,), generator=torch.Generator().manual_seed(4)).tolist()
     return model, backend, tokens, hf
 
 
@@ -116,17 +117,17 @@ def test_a_sequence_gets_the_same_bits_in_every_schedule(invariant_model):
         return [(0, c, s) for c, s in zip(starts, sizes)]
 
     schedules = {
-        "one chunk of 40 beside decodes": [([(1, 9, 1), (2, 4, 1), (0, 0, 40)], False)],
-        "chunks of 16, 16, 8 beside decodes and a chunk": [
-            (_with_others(part, i), False) for i, part in enumerate(chunks([16, 16, 8]))],
-        "chunks of 1..13, then decodes beside others": [
+        "one chunk of 24 beside decodes": [([(1, 9, 1), (2, 4, 1), (0, 0, 24)], False)],
+        "chunks of 16, 8 beside decodes and a chunk": [
+            (_with_others(part, i), False) for i, part in enumerate(chunks([16, 8]))],
+        "chunks of 1..7 and decodes beside others": [
             (_with_others(part, i, decodes=i % 3, prefill=3 * (i % 2)), False)
-            for i, part in enumerate(chunks([7, 1, 13, 2, 5, 3, 1, 1, 4, 1, 1, 1]))],
-        "prefill 30, then drafts verified as decode rows": [
-            ([(0, 0, 30)], False), ([(1, 4, 1), (0, 30, 4)], True), ([(0, 34, 3), (2, 7, 2)], True),
-            ([(0, 37, 3)], True)],
-        "prefill 33, then drafts verified as a chunk": [
-            ([(1, 4, 1), (0, 0, 33)], False), ([(2, 3, 1), (0, 33, 4)], False), ([(0, 37, 3)], False)],
+            for i, part in enumerate(chunks([5, 1, 7, 2, 1, 3, 1, 4]))],
+        "prefill 14, then drafts verified as decode rows": [
+            ([(0, 0, 14)], False), ([(1, 4, 1), (0, 14, 4)], True), ([(0, 18, 3), (2, 7, 2)], True),
+            ([(0, 21, 3)], True)],
+        "prefill 17, then drafts verified as a chunk": [
+            ([(1, 4, 1), (0, 0, 17)], False), ([(2, 3, 1), (0, 17, 4)], False), ([(0, 21, 3)], False)],
     }
     for name, schedule in schedules.items():
         hidden, logits = _run(model, backend, r, schedule)
