@@ -4,8 +4,8 @@ timed against the default one in the same run, at Llama-3-8B's shapes in bf16, p
 
 - linear: F.linear (cuBLAS) vs triton_batch_invariant.linear at M = 1, 64, 2048 on the qkv, gate_up and down
   projections;
-- attention: TritonPagedBackend by default vs batch_invariant=True on a decode batch of 64 at 2k context
-  and a 2k-token prefill chunk.
+- attention: TritonPagedBackend by default vs batch_invariant=True (one KV split, and a fixed 4) on decode
+  batches (64 at 2k context, 4 at 16k), a 2k-token prefill chunk and a mixed step.
 
 `--smoke`: tiny shapes through Triton's interpreter on the CPU (checks the script runs; its times mean
 nothing)."""
@@ -81,10 +81,12 @@ def bench_attention(device, dtype, steps, block_size, hq, hkv, d, repeat: int, k
     for name, query_lens, context_lens in steps:
         common, *tensors = _attention_step(device, dtype, query_lens, context_lens, block_size, hq, hkv, d)
         times = []
-        for backend in (TritonPagedBackend(kernels), TritonPagedBackend(kernels, batch_invariant=True)):
+        for backend in (TritonPagedBackend(kernels), TritonPagedBackend(kernels, batch_invariant=True),
+                        TritonPagedBackend(kernels, decode_splits=4, batch_invariant=True)):
             step = (*tensors, backend.build_metadata(common), d ** -0.5)
             times.append(_time_ms(lambda b=backend, step=step: b.forward(*step), device, repeat))
-        _row(f"invariant attention {name}", *times)
+        _row(f"invariant attention {name}", times[0], times[1])
+        _row(f"  4 splits: {name}", times[0], times[2])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     shapes = [("qkv 6144x4096", 6144, 4096), ("gate_up 28672x4096", 28672, 4096), ("down 4096x14336", 4096, 14336)]
     bench_linear(dev, dtype, shapes, (1, 64, 2048), args.repeat)
-    steps = [("decode 64 x 2k ctx", [1] * 64, [2048] * 64), ("prefill 2k chunk", [2048], [0]),
+    steps = [("decode 64 x 2k ctx", [1] * 64, [2048] * 64), ("decode 4 x 16k ctx", [1] * 4, [16384] * 4),
+             ("prefill 2k chunk", [2048], [0]),
              ("mixed 32 decodes + 512 chunk", [1] * 32 + [512], [2048] * 32 + [1024])]
     bench_attention(dev, dtype, steps, 16, 32, 8, 128, args.repeat)
 

@@ -14,9 +14,10 @@ Batch-invariant mode (`batch_invariant=True`, `--batch-invariant`): a token's at
 on what else is in the step. The default launches break that twice: the decode launch splits KV by the
 batch size and the SM count, and a prefill tile reduces 16 tokens together in a kernel compiled for that
 tile. So in this mode there is one launch of the decode kernel over every query token of the step (PER_ROW:
-each token with its own position and its request's block-table row) with one split: every row, whether a
-decode, a draft being verified or a row of a prefill chunk, runs the same program over the same pages in
-the same order. Prefill rows then read their K/V once per token instead of once per tile: the price of the
+each token with its own position and its request's block-table row) with a fixed number of splits (1 unless
+`decode_splits` says otherwise): every row, whether a decode, a draft being verified or a row of a prefill
+chunk, runs the same programs over the same pages in the same order, and the split bounds follow from its
+position alone. Prefill rows then read their K/V once per token instead of once per tile: the price of the
 mode on long prompts.
 """
 from __future__ import annotations
@@ -120,12 +121,14 @@ class TritonPagedBackend:
     supports_cuda_graphs = True
 
     def __init__(self, kernels=None, decode_splits: int | None = None, batch_invariant: bool = False):
-        if batch_invariant and decode_splits not in (None, 1):
-            raise ValueError(f"triton_paged: batch-invariant mode reads KV in one split, got decode_splits="
-                             f"{decode_splits}")
+        if decode_splits is not None and decode_splits < 1:
+            raise ValueError(f"triton_paged: decode_splits must be at least 1, got {decode_splits}")
         self.kernels = kernels or importlib.import_module("kvserve.attention.triton_kernels")
-        self.decode_splits = 1 if batch_invariant else decode_splits
-        """Split-KV ways of the decode launch; None: chosen from the batch and the device's SM count."""
+        self.decode_splits = (decode_splits or 1) if batch_invariant else decode_splits
+        """Split-KV ways of the decode launch; None: chosen from the batch and the device's SM count. In
+        batch-invariant mode every query token's keys are read in this many ways (1 unless given): the split
+        bounds then depend on the token's position alone, never on the batch (the partial results take
+        tokens x splits x heads x head_dim float32 of scratch per step, prefill rows included)."""
         self.batch_invariant = batch_invariant
 
     def num_decode_splits(self, num_decodes: int, num_kv_heads: int, device: torch.device) -> int:
@@ -182,30 +185,36 @@ class TritonPagedBackend:
                       PAGE=meta.block_size, DOT_PRECISION=precision, WINDOWED=sliding_window is not None,
                       SOFT_CAP=logits_soft_cap is not None)
         if meta.rows is not None:
-            rows = meta.rows
-            kern.paged_attention_kernel[(num_tokens, num_kv_heads, 1)](
-                out, q, kv_cache, meta.block_table, rows.starts, rows.seq_lens, rows.table_rows, rows.seq_lens,
-                out, out, *scalars, BLOCK_M=max(_MIN_ROWS, _next_pow2(group)), BLOCK_Q=1, DECODE=True, NUM_SPLITS=1,
-                PER_ROW=True, **consts)
+            r = meta.rows
+            self._decode_launch((out, q, kv_cache, meta.block_table, r.starts, r.seq_lens, r.table_rows), num_tokens,
+                                self.decode_splits, True, scalars, consts)
             return out
         nd = meta.num_decodes
         if nd:
-            splits = self.num_decode_splits(nd, num_kv_heads, q.device)
-            part_out = part_lse = out  # unused with one split
-            if splits > 1:
-                part_out = torch.empty((nd, splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
-                part_lse = torch.empty((nd, splits, num_heads), dtype=torch.float32, device=q.device)
-            kern.paged_attention_kernel[(nd, num_kv_heads, splits)](
-                *common, meta.seq_lens, meta.seq_lens, part_out, part_lse, *scalars,
-                BLOCK_M=max(_MIN_ROWS, _next_pow2(group)), BLOCK_Q=1, DECODE=True, NUM_SPLITS=splits, **consts)
-            if splits > 1:
-                kern.decode_combine_kernel[(nd, num_heads)](
-                    out, part_out, part_lse, meta.query_start_loc, out.stride(0), out.stride(1),
-                    NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-                    BLOCK_S=_next_pow2(splits))
+            self._decode_launch((*common, meta.seq_lens), nd, self.num_decode_splits(nd, num_kv_heads, q.device),
+                                False, scalars, consts)
         if meta.tile_req is not None:
             kern.paged_attention_kernel[(meta.tile_req.shape[0], num_kv_heads, 1)](
                 *common, meta.tile_req, meta.tile_q0, out, out, *scalars,
                 BLOCK_M=max(_MIN_ROWS, _next_pow2(meta.block_q * group)), BLOCK_Q=meta.block_q, DECODE=False,
                 NUM_SPLITS=1, **consts)
         return out
+
+    def _decode_launch(self, args: tuple, n: int, splits: int, per_row: bool, scalars: tuple, consts: dict) -> None:
+        """The decode kernel over n rows (requests, or with per_row the step's tokens), `splits` ways each,
+        then the splits' combination. args: out, q, kv_cache, block_table, query_start, seq_lens, tile_req."""
+        kern = self.kernels
+        out, q = args[0], args[1]
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = consts["NUM_KV_HEADS"]
+        part_out = part_lse = out  # unused with one split
+        if splits > 1:
+            part_out = torch.empty((n, splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
+            part_lse = torch.empty((n, splits, num_heads), dtype=torch.float32, device=q.device)
+        kern.paged_attention_kernel[(n, num_kv_heads, splits)](
+            *args, args[5], part_out, part_lse, *scalars, BLOCK_M=max(_MIN_ROWS, _next_pow2(consts["GROUP"])),
+            BLOCK_Q=1, DECODE=True, NUM_SPLITS=splits, PER_ROW=per_row, **consts)
+        if splits > 1:
+            kern.decode_combine_kernel[(n, num_heads)](
+                out, part_out, part_lse, args[4], out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim, BLOCK_D=consts["BLOCK_D"], NUM_SPLITS=splits, BLOCK_S=_next_pow2(splits))

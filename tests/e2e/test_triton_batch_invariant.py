@@ -267,12 +267,14 @@ def test_invariant_and_default_modes_match_the_reference(kernels):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window, soft_cap", [(5, 2.0), (23, None)])
-def test_invariant_mode_matches_dense_attention_with_windows(kernels, window, soft_cap):
+@pytest.mark.parametrize("window, soft_cap, splits", [(5, 2.0, 1), (23, None, 3)])
+def test_invariant_mode_matches_dense_attention_with_windows(kernels, window, soft_cap, splits):
     """Windows (blocks before each window poisoned with NaN: never read), soft caps, verifying decodes."""
+    from kvserve.attention.triton_paged import TritonPagedBackend
+
     step = windowed_step(17, [(40, 1), (3, 1), (50, 3)], [(0, 20), (50, 9), (20, 24)], block_size=16, hq=4, hkv=1,
                          d=32, window=window)
-    backend = _invariant(kernels)
+    backend = TritonPagedBackend(kernels, decode_splits=splits, batch_invariant=True)
     out = backend.forward(step.q, step.k, step.v, step.cache.clone(), backend.build_metadata(step.common),
                           32 ** -0.5, sliding_window=window, logits_soft_cap=soft_cap)
     torch.testing.assert_close(out, dense_windowed(step, 32 ** -0.5, window, soft_cap), atol=1e-5, rtol=1e-5)
@@ -291,9 +293,26 @@ def test_decode_only_metadata_is_views_of_the_step(kernels):
     assert mixed.starts.tolist() == list(range(8))
     assert mixed.seq_lens.tolist() == [10, 27, 28, 29, 30, 4, 5]
     assert mixed.table_rows.tolist() == [0, 1, 1, 1, 1, 2, 2]
-    with pytest.raises(ValueError, match="one split"):
-        TritonPagedBackend(kernels, decode_splits=4, batch_invariant=True)
-    assert TritonPagedBackend(kernels, batch_invariant=True).num_decode_splits(1, 1, torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        TritonPagedBackend(kernels, decode_splits=0, batch_invariant=True)
+    assert TritonPagedBackend(kernels, batch_invariant=True).decode_splits == 1
+
+
+def test_a_fixed_split_count_keeps_rows_invariant(kernels):
+    """decode_splits=3 in the mode: every token's keys in 3 ranges whose bounds follow from its position (some
+    empty at short contexts), combined in one order; rows still agree across step shapes and with torch_ref."""
+    from kvserve.attention.triton_paged import TritonPagedBackend
+
+    lengths = [72, 20, 12]
+    s = _seqs(12, lengths, block_size=16, hq=4, hkv=1, d=16, dtype=torch.float32)
+    backend = TritonPagedBackend(kernels, decode_splits=3, batch_invariant=True)
+    _check_row_shapes(backend, s, lengths, positions=[2, 40, 71], chunks=[(0, 3), (35, 9), (30, 42)],
+                      rng=torch.Generator().manual_seed(13))
+    common, q, k, v, _ = _step(s, [(1, 9, 1), (0, 30, 20), (2, 0, 12)])
+    ref = TorchRefBackend()
+    expected = ref.forward(q, k, v, s.cache.clone(), ref.build_metadata(common), 0.25)
+    out = backend.forward(q, k, v, s.cache.clone(), backend.build_metadata(common), 0.25)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_gpu_invariance_bench_runs_on_the_interpreter():
@@ -307,7 +326,7 @@ def test_gpu_invariance_bench_runs_on_the_interpreter():
     out = subprocess.run([sys.executable, "scripts/gpu_invariance_bench.py", "--smoke"], cwd=repo, env=env,
                          check=True, timeout=300, capture_output=True, text=True).stdout
     rows = [line for line in out.splitlines() if " INFO " in line]
-    assert len(rows) == 3 and all("of default" in r for r in rows), out
+    assert len(rows) == 4 and all("of default" in r for r in rows), out
 
 
 # ---------------------------------------------------------------------------------------------- on a GPU
