@@ -352,14 +352,17 @@ def test_gpu_linear_and_norm_are_batch_invariant():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="needs CUDA")
-def test_gpu_attention_rows_are_batch_invariant():
-    """head_dim 128, Llama-3's GQA ratio, bf16, both block sizes' worth of contexts on the compiled kernel."""
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gpu_attention_rows_are_batch_invariant(splits):
+    """head_dim 128, Llama-3's GQA ratio, bf16, contexts up to 600 on the compiled kernel; one KV split and a
+    fixed four."""
     import kvserve.attention.triton_kernels as kern
+    from kvserve.attention.triton_paged import TritonPagedBackend
 
     lengths = [600, 300, 200, 130]
     s = _seqs(0, lengths, block_size=16, hq=32, hkv=8, d=128, dtype=torch.bfloat16)
     gpu = _Seqs([t.cuda() for t in s.q], [t.cuda() for t in s.kv], s.tables, s.cache.cuda(), 16)
-    backend = _GpuSteps(_invariant(kern))
+    backend = _GpuSteps(TritonPagedBackend(kern, decode_splits=splits, batch_invariant=True))
     chunks = [(p - n + 1, n) for n in range(1, 71, 3) for p in (255, 599)] + [(0, 512), (88, 512)]
     _check_row_shapes(backend, gpu, lengths, positions=[0, 17, 255, 599], chunks=chunks,
                       rng=torch.Generator().manual_seed(1), max_mixed_chunk=512)
