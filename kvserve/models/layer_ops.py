@@ -54,6 +54,20 @@ class LayerOps:
         return F.gelu(gate, approximate="tanh") * up
 
 
+class TritonInvariantLayerOps(LayerOps):
+    """`--batch-invariant` on CUDA: add + RMSNorm by layers/triton_batch_invariant.py, one program per row, so a
+    row's norm does not depend on how many rows the step has (PyTorch's reduction kernel picks its split by
+    shape); RoPE and the gated activations are element-wise and stay PyTorch's."""
+
+    name = "triton-invariant"
+
+    @staticmethod
+    def add_rms_norm(x, residual, weight, eps):
+        from kvserve.layers.triton_batch_invariant import add_rms_norm
+
+        return add_rms_norm(x, residual, weight, eps)
+
+
 class FusedLayerOps(LayerOps):
     name = "fused"
 

@@ -37,11 +37,8 @@ def invariant_model(tmp_path_factory):
     )
     from kvserve.model_loader.weight_loader import load_weights
     from kvserve.models.build import build_model
-    from kvserve.models.layer_ops import LayerOps
+    from kvserve.models.layer_ops import TritonInvariantLayerOps
     from tests.helpers.architectures import make_checkpoint
-
-    class NormOps(LayerOps):  # what --batch-invariant on CUDA swaps in for the fused CPU ops
-        add_rms_norm = staticmethod(bi.add_rms_norm)
 
     path = str(tmp_path_factory.mktemp("granite_bi"))
     hf = make_checkpoint(path, "granite", seed=3, vocab_size=512, num_hidden_layers=1)
@@ -50,7 +47,7 @@ def invariant_model(tmp_path_factory):
     model = build_model(load_hf_config(source), backend, 128, torch.float32, torch.device("cpu"),
                         bi.TritonBatchInvariantMethod())
     load_weights(model, iter_checkpoint_tensors(source, torch.float32))
-    model.ops = NormOps()
+    model.ops = TritonInvariantLayerOps()  # what --batch-invariant on CUDA runs
     tokens = torch.randint(3, 512, (24,), generator=torch.Generator().manual_seed(4)).tolist()
     return model, backend, tokens, hf
 
