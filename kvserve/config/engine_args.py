@@ -166,6 +166,12 @@ class EngineArgs:
                 "weights (x tensor_parallel_size processes each), behind one API server that balances requests "
                 "by load and prefix (docs/SCALING.md); each engine gets --num-threads / N threads (default: the "
                 "machine's cores / N). The offline LLM runs one engine"})
+    data_parallel_balance_abs_threshold: float = field(default=4.0, metadata={
+        "help": "--data-parallel-size: a request keeps its prefix's engine unless that engine's load (requests in "
+                "flight, plus waiting prompt tokens in steps of --max-num-batched-tokens) is more than this above "
+                "the least loaded engine's ..."})
+    data_parallel_balance_rel_threshold: float = field(default=1.5, metadata={
+        "help": "... and more than this many times it; past both, the least loaded engine gets the request"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads on CPU; default: torch's own choice (with --data-parallel-size N: the "
                 "total, split evenly over the N engines)"})
@@ -205,6 +211,10 @@ class EngineArgs:
             raise ValueError("quantization gguf keeps a GGUF file's blocks as stored: it cannot use random "
                              "(--load-format dummy) weights")
         self._parallel_config()
+        if self.data_parallel_balance_abs_threshold < 0 or self.data_parallel_balance_rel_threshold < 1:
+            raise ValueError("data_parallel_balance_abs_threshold must be >= 0 and data_parallel_balance_rel_threshold "
+                             f">= 1, got {self.data_parallel_balance_abs_threshold} and "
+                             f"{self.data_parallel_balance_rel_threshold}")
 
     def _parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,

@@ -282,13 +282,19 @@ class AsyncEngine:
         """Bytes the engine process has sent this process (0 with the engine on a thread)."""
         return getattr(self._transport, "num_bytes_received", 0)
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None with the engine on a thread)."""
+        return getattr(self._transport, "pid", None)
+
     def has_request(self, request_id: str) -> bool:
         """The request is in flight here."""
         return request_id in self._streams
 
     def health(self) -> list[dict]:
         """Each engine core behind this front end: whether it runs, and why not."""
-        return [{"engine": 0, "running": self.is_running, "error": None if self.is_running else self.dead_reason}]
+        return [{"engine": 0, "running": self.is_running, "error": None if self.is_running else self.dead_reason,
+                 "pid": self.pid}]
 
     def add_listener(self, listener: Callable[[StepReport], None]) -> None:
         self._listeners.append(listener)

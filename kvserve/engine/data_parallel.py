@@ -35,13 +35,12 @@ logger = logging.getLogger(__name__)
 
 
 def create_async_engine(args: EngineArgs, *, max_queue_len: int = 256, use_process: bool = False,
-                        engine_process: EngineProcess | None = None,
-                        window: BalanceWindow = BalanceWindow()) -> "AsyncEngine | DataParallelEngine":
+                        engine_process: EngineProcess | None = None) -> "AsyncEngine | DataParallelEngine":
     """One AsyncEngine, or N behind a DataParallelEngine when args.data_parallel_size > 1."""
     if args.data_parallel_size == 1:
         return AsyncEngine(args, max_queue_len=max_queue_len, use_process=use_process, engine_process=engine_process)
     return DataParallelEngine(args, max_queue_len=max_queue_len, use_process=use_process,
-                              engine_process=engine_process, window=window)
+                              engine_process=engine_process)
 
 
 def engine_args_per_rank(args: EngineArgs, total_threads: int | None = None) -> EngineArgs:
@@ -55,7 +54,7 @@ class DataParallelEngine:
     """The AsyncEngine surface over N AsyncEngines; `engines[i]` is data-parallel rank i."""
 
     def __init__(self, args: EngineArgs, *, max_queue_len: int = 256, use_process: bool = False,
-                 engine_process: EngineProcess | None = None, window: BalanceWindow = BalanceWindow()):
+                 engine_process: EngineProcess | None = None):
         n = args.data_parallel_size
         if n < 2:
             raise ValueError(f"DataParallelEngine needs data_parallel_size >= 2, got {n}")
@@ -66,7 +65,7 @@ class DataParallelEngine:
         self.engines = [AsyncEngine(rank_args, max_queue_len=max_queue_len, use_process=use_process,
                                     engine_process=engine_process if i == 0 else None,
                                     label=f"data-parallel engine {i} of {n}") for i in range(n)]
-        self.window = window
+        self.window = BalanceWindow(args.data_parallel_balance_abs_threshold, args.data_parallel_balance_rel_threshold)
         self.balancer: DPBalancer | None = None  # start(): it needs the block size
         self._listeners: list[Callable[[StepReport], None]] = []
         self._on_dead: list[Callable[[str], None]] = []
@@ -148,7 +147,7 @@ class DataParallelEngine:
         loads = self.balancer.loads() if self.balancer else [0.0] * len(self.engines)
         dispatched = self.balancer.num_dispatched if self.balancer else [0] * len(self.engines)
         return [{"engine": i, "running": e.is_running, "error": None if e.is_running else e.dead_reason,
-                 "load": round(loads[i], 3), "num_requests_dispatched": dispatched[i],
+                 "pid": e.pid, "load": round(loads[i], 3), "num_requests_dispatched": dispatched[i],
                  "num_requests_in_flight": e.num_inflight_seqs} for i, e in enumerate(self.engines)]
 
     def add_listener(self, listener: Callable[[StepReport], None]) -> None:

@@ -323,6 +323,10 @@ class ProcessTransport:
         self._reader = threading.Thread(target=read, name="kvserve-engine-reader", daemon=True)
         self._reader.start()
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
     def send(self, command: object) -> None:
         try:
             self._conn.send(command)

@@ -1,0 +1,155 @@
+"""`kvserve serve --data-parallel-size 2` (two engine processes behind one API server, a tiny checkpoint):
+greedy answers to 52 concurrent requests (completions and multi-turn chats in groups sharing long prefixes, in
+chunked prefill) identical, token for token, to one engine's; both engines get work, a shared-prefix group sent
+one at a time sticks to one engine, a burst of one prefix is spread within the balance window; an engine
+killed: its requests fail naming it, the other engine serves on, /health says which died, and the live
+engine's blocks are all free at the end."""
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from tests.helpers.router import wait_until
+from tests.helpers.server import metric, start_server, stop_server
+
+# NOTE: a small step budget, so every long prompt is prefilled in chunks on both servers
+FLAGS = ("--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
+
+
+def _requests() -> list[tuple[str, dict]]:
+    """52 requests: 4 groups of 8 completions sharing a long text prefix, 2 groups of 10 chats sharing a system
+    prompt (half of them multi-turn)."""
+    out = []
+    for g in range(4):
+        prefix = " ".join(WORDS[(g + i) % len(WORDS)] for i in range(70))
+        for r in range(8):
+            out.append(("/v1/completions", {"prompt": f"{prefix} question {r}: {WORDS[r]}", "max_tokens": 8,
+                                            "temperature": 0}))
+    for g in range(2):
+        system = {"role": "system", "content": " ".join(WORDS[(5 * g + i) % len(WORDS)] for i in range(50))}
+        for r in range(10):
+            turns = [system, {"role": "user", "content": f"tell me about {WORDS[r]}"}]
+            if r % 2:
+                turns += [{"role": "assistant", "content": WORDS[r + 1]}, {"role": "user", "content": "more"}]
+            out.append(("/v1/chat/completions", {"messages": turns, "max_tokens": 8, "temperature": 0}))
+    return out
+
+
+def _post(base_url: str, item: tuple[str, dict]) -> httpx.Response:
+    path, body = item
+    return httpx.post(f"{base_url}{path}", json=body, timeout=120)
+
+
+def _answers(base_url: str, requests: list[tuple[str, dict]], threads: int = 8) -> list[tuple]:
+    def one(item):
+        r = _post(base_url, item)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        return text, choice["finish_reason"], r.json()["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, requests))
+
+
+def _engines(base_url: str) -> list[dict]:
+    r = httpx.get(f"{base_url}/health", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["engines"]
+
+
+def _dispatched(base_url: str) -> list[int]:
+    return [e["num_requests_dispatched"] for e in _engines(base_url)]
+
+
+def _assert_blocks_free(base_url: str, engines: list[int]) -> None:
+    with httpx.Client(base_url=base_url, timeout=10) as http:
+        for i in engines:
+            wait_until(lambda: metric(http, "kvserve:engine_kv_cache_request_blocks", engine=str(i)) == 0
+                       and metric(http, "kvserve:engine_num_requests_running", engine=str(i)) == 0, 10,
+                       f"engine {i} idle with every block free")
+        assert metric(http, "kvserve:kv_cache_request_blocks") == 0
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("dp")
+    flags = [FLAGS, (*FLAGS, "--data-parallel-size", "2", "--data-parallel-balance-abs-threshold", "2")]
+    with ThreadPoolExecutor(2) as pool:
+        one, two = pool.map(lambda i: start_server(tiny_llama[0], logs / f"dp{i}.log", *flags[i], timeout=180),
+                            range(2))
+    yield one, two
+    for srv in (one, two):
+        assert stop_server(srv) == 0, srv.log()
+
+
+def test_two_engines_answer_as_one_and_both_get_work(servers):
+    one, two = servers
+    requests = _requests()
+    reference = _answers(one.base_url, requests)
+    before = _dispatched(two.base_url)
+    assert _answers(two.base_url, requests) == reference
+    counts = [a - b for a, b in zip(_dispatched(two.base_url), before)]
+    assert sum(counts) == len(requests) and min(counts) > 0, counts
+    assert "data parallel: 2 engines" in two.log()
+    _assert_blocks_free(two.base_url, [0, 1])
+    with httpx.Client(base_url=two.base_url) as http:  # both engines' prefix caches served the groups' prefixes
+        assert metric(http, "kvserve:prefix_cache_hits_total") > 0
+
+
+def test_a_prefix_group_sent_one_at_a_time_sticks_to_one_engine(servers):
+    _, two = servers
+    prefix = " ".join(reversed(WORDS * 4))
+    before = _dispatched(two.base_url)
+    for r in range(6):
+        _answers(two.base_url, [("/v1/completions", {"prompt": f"{prefix} {r}", "max_tokens": 2,
+                                                      "temperature": 0})], threads=1)
+    counts = [a - b for a, b in zip(_dispatched(two.base_url), before)]
+    assert sorted(counts) == [0, 6], counts
+
+
+def test_a_burst_of_one_prefix_is_spread_within_the_window(servers):
+    """Affinity would send all 16 to the engine holding the prefix; counted from dispatch, the load passes the
+    window (2 requests and 1.5x) after a few, and the other engine takes its share."""
+    _, two = servers
+    prefix = " ".join(WORDS[::-1] * 3)
+    burst = [("/v1/completions", {"prompt": f"{prefix} {r}", "max_tokens": 96, "ignore_eos": True,
+                                  "temperature": 0}) for r in range(16)]
+    before = _dispatched(two.base_url)
+    _answers(two.base_url, burst, threads=16)
+    counts = [a - b for a, b in zip(_dispatched(two.base_url), before)]
+    assert sum(counts) == 16 and min(counts) >= 5, counts
+    _assert_blocks_free(two.base_url, [0, 1])
+
+
+def test_a_killed_engine_fails_its_requests_and_the_other_serves_on(servers):
+    """Last in the module: it kills the data-parallel server's engine 1 (the server then still exits 0)."""
+    base = servers[1].base_url
+    long = [("/v1/completions", {"prompt": f"{WORDS[r]} {WORDS[r + 1]} story {r}", "max_tokens": 300,
+                                 "ignore_eos": True, "temperature": 0}) for r in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_post, base, item) for item in long]
+        wait_until(lambda: all(e["num_requests_in_flight"] > 0 for e in _engines(base)), 30,
+                   "both engines running requests")
+        os.kill(_engines(base)[1]["pid"], signal.SIGKILL)
+        results = [f.result() for f in futures]
+    failed = [r for r in results if r.status_code != 200]
+    assert failed and len(failed) < len(results), [r.status_code for r in results]
+    for r in failed:
+        assert r.status_code == 503, r.text
+        assert "data-parallel engine 1 of 2" in r.json()["error"]["message"], r.text
+    health = httpx.get(f"{base}/health", timeout=10).json()
+    assert health["status"] == "degraded"
+    assert [e["running"] for e in health["engines"]] == [True, False]
+    assert "data-parallel engine 1 of 2" in health["engines"][1]["error"]
+    more = [("/v1/completions", {"prompt": f"after the fault {r}", "max_tokens": 4, "temperature": 0})
+            for r in range(6)]
+    assert len(_answers(base, more)) == 6  # every one on the live engine
+    _assert_blocks_free(base, [0])
+    with httpx.Client(base_url=base) as http:
+        assert metric(http, "kvserve:engine_healthy", engine="0") == 1
+        assert metric(http, "kvserve:engine_healthy", engine="1") == 0
