@@ -3,7 +3,7 @@ greedy answers to 52 concurrent requests (completions and multi-turn chats in gr
 chunked prefill) identical, token for token, to one engine's; both engines get work, a shared-prefix group sent
 one at a time sticks to one engine, a burst of one prefix is spread within the balance window; an engine
 killed: its requests fail naming it, the other engine serves on, /health says which died, and the live
-engine's blocks are all free at the end."""
+engine's blocks are all free at the end. Also -dp 2 -tp 2 (four processes) against one engine."""
 from __future__ import annotations
 
 import os
@@ -124,6 +124,19 @@ def test_a_burst_of_one_prefix_is_spread_within_the_window(servers):
     counts = [a - b for a, b in zip(_dispatched(two.base_url), before)]
     assert sum(counts) == 16 and min(counts) >= 5, counts
     _assert_blocks_free(two.base_url, [0, 1])
+
+
+def test_data_parallel_over_tensor_parallel_engines(servers, tiny_llama, tmp_path):
+    """-dp 2 -tp 2: two engines of two ranks each (four processes), the same answers as one engine."""
+    one, _ = servers
+    requests = _requests()[::4]
+    srv = start_server(tiny_llama[0], tmp_path / "dp_tp.log", *FLAGS, "-dp", "2", "-tp", "2", timeout=240)
+    try:
+        assert _answers(srv.base_url, requests) == _answers(one.base_url, requests)
+        assert srv.log().count("tensor parallel: 2 ranks") == 2
+        assert min(_dispatched(srv.base_url)) > 0
+    finally:
+        assert stop_server(srv) == 0, srv.log()
 
 
 def test_a_killed_engine_fails_its_requests_and_the_other_serves_on(servers):
