@@ -12,48 +12,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from tests.helpers.prefix_workload import WORDS, greedy_answers, prefix_group_requests
 from tests.helpers.router import wait_until
 from tests.helpers.server import metric, start_server, stop_server
 
 # NOTE: a small step budget, so every long prompt is prefilled in chunks on both servers
 FLAGS = ("--max-num-batched-tokens", "32", "--max-num-seqs", "16")
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
 
 def _requests() -> list[tuple[str, dict]]:
-    """52 requests: 4 groups of 8 completions sharing a long text prefix, 2 groups of 10 chats sharing a system
-    prompt (half of them multi-turn)."""
-    out = []
-    for g in range(4):
-        prefix = " ".join(WORDS[(g + i) % len(WORDS)] for i in range(70))
-        for r in range(8):
-            out.append(("/v1/completions", {"prompt": f"{prefix} question {r}: {WORDS[r]}", "max_tokens": 8,
-                                            "temperature": 0}))
-    for g in range(2):
-        system = {"role": "system", "content": " ".join(WORDS[(5 * g + i) % len(WORDS)] for i in range(50))}
-        for r in range(10):
-            turns = [system, {"role": "user", "content": f"tell me about {WORDS[r]}"}]
-            if r % 2:
-                turns += [{"role": "assistant", "content": WORDS[r + 1]}, {"role": "user", "content": "more"}]
-            out.append(("/v1/chat/completions", {"messages": turns, "max_tokens": 8, "temperature": 0}))
-    return out
+    return prefix_group_requests(prefix_words=70, system_words=50, system_stride=5)
 
 
 def _post(base_url: str, item: tuple[str, dict]) -> httpx.Response:
     path, body = item
     return httpx.post(f"{base_url}{path}", json=body, timeout=120)
-
-
-def _answers(base_url: str, requests: list[tuple[str, dict]], threads: int = 8) -> list[tuple]:
-    def one(item):
-        r = _post(base_url, item)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        text = choice["text"] if "text" in choice else choice["message"]["content"]
-        return text, choice["finish_reason"], r.json()["usage"]["completion_tokens"]
-
-    with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(one, requests))
 
 
 def _engines(base_url: str) -> list[dict]:
@@ -90,9 +63,9 @@ def servers(tiny_llama, tmp_path_factory):
 def test_two_engines_answer_as_one_and_both_get_work(servers):
     one, two = servers
     requests = _requests()
-    reference = _answers(one.base_url, requests)
+    reference = greedy_answers(one.base_url, requests)
     before = _dispatched(two.base_url)
-    assert _answers(two.base_url, requests) == reference
+    assert greedy_answers(two.base_url, requests) == reference
     counts = [a - b for a, b in zip(_dispatched(two.base_url), before)]
     assert sum(counts) == len(requests) and min(counts) > 0, counts
     assert "data parallel: 2 engines" in two.log()
@@ -106,7 +79,7 @@ def test_a_prefix_group_sent_one_at_a_time_sticks_to_one_engine(servers):
     prefix = " ".join(reversed(WORDS * 4))
     before = _dispatched(two.base_url)
     for r in range(6):
-        _answers(two.base_url, [("/v1/completions", {"prompt": f"{prefix} {r}", "max_tokens": 2,
+        greedy_answers(two.base_url, [("/v1/completions", {"prompt": f"{prefix} {r}", "max_tokens": 2,
                                                       "temperature": 0})], threads=1)
     counts = [a - b for a, b in zip(_dispatched(two.base_url), before)]
     assert sorted(counts) == [0, 6], counts
@@ -120,19 +93,20 @@ def test_a_burst_of_one_prefix_is_spread_within_the_window(servers):
     burst = [("/v1/completions", {"prompt": f"{prefix} {r}", "max_tokens": 96, "ignore_eos": True,
                                   "temperature": 0}) for r in range(16)]
     before = _dispatched(two.base_url)
-    _answers(two.base_url, burst, threads=16)
+    greedy_answers(two.base_url, burst, threads=16)
     counts = [a - b for a, b in zip(_dispatched(two.base_url), before)]
     assert sum(counts) == 16 and min(counts) >= 5, counts
     _assert_blocks_free(two.base_url, [0, 1])
 
 
+@pytest.mark.slow  # four processes to start; data parallelism and tensor parallelism each have their fast tests
 def test_data_parallel_over_tensor_parallel_engines(servers, tiny_llama, tmp_path):
     """-dp 2 -tp 2: two engines of two ranks each (four processes), the same answers as one engine."""
     one, _ = servers
     requests = _requests()[::4]
     srv = start_server(tiny_llama[0], tmp_path / "dp_tp.log", *FLAGS, "-dp", "2", "-tp", "2", timeout=240)
     try:
-        assert _answers(srv.base_url, requests) == _answers(one.base_url, requests)
+        assert greedy_answers(srv.base_url, requests) == greedy_answers(one.base_url, requests)
         assert srv.log().count("tensor parallel: 2 ranks") == 2
         assert min(_dispatched(srv.base_url)) > 0
     finally:
@@ -161,7 +135,7 @@ def test_a_killed_engine_fails_its_requests_and_the_other_serves_on(servers):
     assert "data-parallel engine 1 of 2" in health["engines"][1]["error"]
     more = [("/v1/completions", {"prompt": f"after the fault {r}", "max_tokens": 4, "temperature": 0})
             for r in range(6)]
-    assert len(_answers(base, more)) == 6  # every one on the live engine
+    assert len(greedy_answers(base, more)) == 6  # every one on the live engine
     _assert_blocks_free(base, [0])
     with httpx.Client(base_url=base) as http:
         assert metric(http, "kvserve:engine_healthy", engine="0") == 1
