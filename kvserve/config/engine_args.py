@@ -157,7 +157,8 @@ class EngineArgs:
                 "its shard of the weights and of the KV cache; gloo on CPU, NCCL on CUDA"})
     distributed_executor_backend: str = field(default="mp", metadata={
         "help": "how the ranks start: mp (worker processes on this machine), ray (Ray actors, on this machine "
-                "or a Ray cluster's nodes; needs kvserve[ray]) or external_launcher (every rank started by "
+                "or a Ray cluster's nodes, and with --data-parallel-size each engine too; needs kvserve[ray]) or "
+                "external_launcher (every rank started by "
                 "torchrun, on one host or several)",
         "choices": DISTRIBUTED_EXECUTOR_BACKENDS})
     data_parallel_size: int = field(default=1, metadata={

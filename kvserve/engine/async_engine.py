@@ -177,8 +177,10 @@ class AsyncEngine:
     """
 
     def __init__(self, args: EngineArgs, *, max_queue_len: int = 256, use_process: bool = False,
-                 engine_process: EngineProcess | None = None, label: str | None = None):
+                 engine_process: EngineProcess | None = None, label: str | None = None,
+                 transport: Callable[[EngineArgs, Callable[[object], None]], object] | None = None):
         """engine_process: with use_process, the engine process started ahead (engine/engine_process.py).
+        transport: makes the loop's transport instead (engine/ray_engine.py's RayTransport: a Ray actor).
         label: names this engine in the error its requests get if it dies (e.g. "data-parallel engine 1 of 2")."""
         if max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {max_queue_len}")
@@ -197,8 +199,9 @@ class AsyncEngine:
         """The front end's own start-up seconds (tokenizer, config), beside the core's in `info.startup_s`."""
         self.dead_reason: str | None = None
         self.label = label
+        self._make_transport = transport
         self._front_end = None  # (tokenizer, hf_config), kept for engines that share this one's (start())
-        self._transport: ThreadTransport | ProcessTransport | None = None
+        self._transport = None  # ThreadTransport | ProcessTransport | RayTransport
         self._ready: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
         self._pending_queries: dict[int, asyncio.Future] = {}
@@ -214,7 +217,11 @@ class AsyncEngine:
         if self._ready is not None:
             return
         self._ready = asyncio.get_running_loop().create_future()
-        if self.use_process:  # the child loads the weights while this process loads the tokenizer
+        if self._make_transport is not None:
+            if self._engine_process is not None:
+                self._engine_process.close()
+            self._transport = self._make_transport(self.args, self._on_message)
+        elif self.use_process:  # the child loads the weights while this process loads the tokenizer
             self._transport = ProcessTransport(self.args, self._on_message, self._engine_process)
         elif self._engine_process is not None:  # started in case: the engine runs on a thread after all
             self._engine_process.close()

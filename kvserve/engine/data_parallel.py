@@ -62,9 +62,18 @@ class DataParallelEngine:
         self.max_queue_len = max_queue_len
         self.use_process = use_process
         rank_args = engine_args_per_rank(args)
+        self.on_ray = args.distributed_executor_backend == "ray"
+        """Each engine in a Ray actor (engine/ray_engine.py), on any node of the cluster; else local processes."""
+        transport = None
+        if self.on_ray:
+            from kvserve.engine.ray_engine import RayTransport, import_ray
+
+            import_ray()  # not installed: the error now
+            transport = RayTransport
         self.engines = [AsyncEngine(rank_args, max_queue_len=max_queue_len, use_process=use_process,
                                     engine_process=engine_process if i == 0 else None,
-                                    label=f"data-parallel engine {i} of {n}") for i in range(n)]
+                                    label=f"data-parallel engine {i} of {n}", transport=transport) for i in range(n)]
+        self._started_ray = False
         self.window = BalanceWindow(args.data_parallel_balance_abs_threshold, args.data_parallel_balance_rel_threshold)
         self.balancer: DPBalancer | None = None  # start(): it needs the block size
         self._listeners: list[Callable[[StepReport], None]] = []
@@ -78,6 +87,11 @@ class DataParallelEngine:
     async def start(self) -> EngineInfo:
         """Every engine's process starts at once; the first loads the tokenizer, the rest share it."""
         first, rest = self.engines[0], self.engines[1:]
+        if self.on_ray:
+            from kvserve.engine.ray_engine import connect_ray
+
+            slots = len(self.engines) * (1 + self.args.tensor_parallel_size)
+            self._started_ray = connect_ray(slots)  # NOTE: on the event loop's thread, as its shutdown
         for engine in rest:
             engine.launch()
         try:
@@ -88,12 +102,17 @@ class DataParallelEngine:
             raise
         self.balancer = DPBalancer(len(self.engines), info.block_size, window=self.window,
                                    step_tokens=self.args.max_num_batched_tokens)
-        logger.info("data parallel: %d engines of %d threads each, %d KV blocks each", len(self.engines),
-                    first.args.num_threads, info.num_kv_blocks)
+        logger.info("data parallel: %d engines of %d threads each (%s), %d KV blocks each", len(self.engines),
+                    first.args.num_threads, "Ray actors" if self.on_ray else "processes", info.num_kv_blocks)
         return info
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         await asyncio.gather(*(e.shutdown(timeout) for e in self.engines), return_exceptions=True)
+        if self._started_ray:
+            import ray
+
+            self._started_ray = False
+            ray.shutdown()
 
     @property
     def info(self) -> EngineInfo | None:
