@@ -31,7 +31,7 @@ class ParallelConfig:
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1 \
+        if self.distributed_executor_backend == "ray" and max(self.tensor_parallel_size, self.data_parallel_size) > 1 \
                 and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend 'ray' needs Ray, which is not installed: "
                              "pip install 'kvserve[ray]' (or use mp on one machine)")
