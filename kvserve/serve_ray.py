@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    started = _connect(ray, parsed.num_replicas, parsed.num_cpus_per_replica)
+    from kvserve.engine.ray_engine import connect_ray
+
+    started = connect_ray(int(parsed.num_replicas * parsed.num_cpus_per_replica + 0.999))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -167,22 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         if started:
             ray.shutdown()
     return 0
-
-
-def _connect(ray, num_replicas: int, cpus_per_replica: float) -> bool:
-    """Join a running Ray (RAY_ADDRESS, or `ray start` on this machine) or start a local one; True when started
-    here."""
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"])
-        return False
-    try:
-        ray.init(address="auto")
-        return False
-    except ConnectionError:
-        pass
-    # NOTE: CPU slots are Ray's bookkeeping for placement, not cores: a 2-core machine still places 2 replicas
-    ray.init(num_cpus=max(2, int(num_replicas * cpus_per_replica + 0.999)), include_dashboard=False)
-    return True
 
 
 if __name__ == "__main__":

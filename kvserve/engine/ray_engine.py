@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 
 from kvserve.config import EngineArgs
-from kvserve.engine.engine_loop import Stopped, _serve_engine
+from kvserve.engine.engine_loop import Stopped, _serve_engine, drain_queue
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.5
@@ -79,14 +79,7 @@ class EngineActor:
         self._thread.start()
 
     def _recv(self, block: bool) -> list:
-        commands = []
-        try:
-            commands.append(self._inbox.get(block=block))
-            while True:
-                commands.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        return commands
+        return drain_queue(self._inbox, block)
 
     def send(self, commands: list) -> None:
         for command in commands:
@@ -94,14 +87,7 @@ class EngineActor:
 
     def poll(self) -> list:
         """What the loop emitted, waiting up to _POLL_S for the first message."""
-        messages = []
-        try:
-            messages.append(self._outbox.get(timeout=_POLL_S))
-            while True:
-                messages.append(self._outbox.get_nowait())
-        except queue.Empty:
-            pass
-        return messages
+        return drain_queue(self._outbox, True, _POLL_S)
 
     def pid(self) -> int:
         return os.getpid()

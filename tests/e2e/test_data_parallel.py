@@ -42,7 +42,7 @@ def _dispatched(base_url: str) -> list[int]:
 def _assert_blocks_free(base_url: str, engines: list[int]) -> None:
     with httpx.Client(base_url=base_url, timeout=10) as http:
         for i in engines:
-            wait_until(lambda: metric(http, "kvserve:engine_kv_cache_request_blocks", engine=str(i)) == 0
+            wait_until(lambda i=i: metric(http, "kvserve:engine_kv_cache_request_blocks", engine=str(i)) == 0
                        and metric(http, "kvserve:engine_num_requests_running", engine=str(i)) == 0, 10,
                        f"engine {i} idle with every block free")
         assert metric(http, "kvserve:kv_cache_request_blocks") == 0
