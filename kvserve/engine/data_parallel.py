@@ -103,7 +103,8 @@ class DataParallelEngine:
         self.balancer = DPBalancer(len(self.engines), info.block_size, window=self.window,
                                    step_tokens=self.args.max_num_batched_tokens)
         logger.info("data parallel: %d engines of %d threads each (%s), %d KV blocks each", len(self.engines),
-                    first.args.num_threads, "Ray actors" if self.on_ray else "processes", info.num_kv_blocks)
+                    first.args.num_threads, "Ray actors" if self.on_ray else "processes" if self.use_process else "threads",
+                    info.num_kv_blocks)
         return info
 
     async def shutdown(self, timeout: float = 10.0) -> None:
