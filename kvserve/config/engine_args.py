@@ -152,15 +152,30 @@ class EngineArgs:
     seed: int = field(default=0, metadata={"help": "seed of the engine's own generator (unseeded requests)"})
     # ---- tensor parallelism (docs/PARALLELISM.md) ----
     tensor_parallel_size: int = field(default=1, metadata={
+        "aliases": ("-tp",),
         "help": "ranks to shard the model over (Megatron-style; must divide the attention heads): each rank holds "
                 "its shard of the weights and of the KV cache; gloo on CPU, NCCL on CUDA"})
     distributed_executor_backend: str = field(default="mp", metadata={
         "help": "how the ranks start: mp (worker processes on this machine), ray (Ray actors, on this machine "
-                "or a Ray cluster's nodes; needs kvserve[ray]) or external_launcher (every rank started by "
+                "or a Ray cluster's nodes, and with --data-parallel-size each engine too; needs kvserve[ray]) or "
+                "external_launcher (every rank started by "
                 "torchrun, on one host or several)",
         "choices": DISTRIBUTED_EXECUTOR_BACKENDS})
+    data_parallel_size: int = field(default=1, metadata={
+        "aliases": ("-dp",),
+        "help": "`kvserve serve`: engine cores, each its own process with its own KV cache and a full copy of the "
+                "weights (x tensor_parallel_size processes each), behind one API server that balances requests "
+                "by load and prefix (docs/SCALING.md); each engine gets --num-threads / N threads (default: the "
+                "machine's cores / N). The offline LLM runs one engine"})
+    data_parallel_balance_abs_threshold: float = field(default=4.0, metadata={
+        "help": "--data-parallel-size: a request keeps its prefix's engine unless that engine's load (requests in "
+                "flight, plus waiting prompt tokens in steps of --max-num-batched-tokens) is more than this above "
+                "the least loaded engine's ..."})
+    data_parallel_balance_rel_threshold: float = field(default=1.5, metadata={
+        "help": "... and more than this many times it; past both, the least loaded engine gets the request"})
     num_threads: int | None = field(default=None, metadata={
-        "help": "torch intra-op threads on CPU; default: torch's own choice"})
+        "help": "torch intra-op threads on CPU; default: torch's own choice (with --data-parallel-size N: the "
+                "total, split evenly over the N engines)"})
     # ---- KV transfer (docs/features/kv-connectors.md) ----
     kv_transfer_config: str | dict | None = field(default=None, metadata={
         "help": "a KV connector, vLLM's JSON: {\"kv_connector\": \"SharedStorageConnector\" | \"ExampleConnector\" | "
@@ -197,9 +212,14 @@ class EngineArgs:
             raise ValueError("quantization gguf keeps a GGUF file's blocks as stored: it cannot use random "
                              "(--load-format dummy) weights")
         self._parallel_config()
+        if self.data_parallel_balance_abs_threshold < 0 or self.data_parallel_balance_rel_threshold < 1:
+            raise ValueError("data_parallel_balance_abs_threshold must be >= 0 and data_parallel_balance_rel_threshold "
+                             f">= 1, got {self.data_parallel_balance_abs_threshold} and "
+                             f"{self.data_parallel_balance_rel_threshold}")
 
     def _parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        return ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
+                              data_parallel_size=self.data_parallel_size)
 
     def _quantization_config(self) -> QuantizationConfig:
         return QuantizationConfig(self.quantization, self.quantization_group_size, self.quantize_lm_head)
@@ -232,6 +252,10 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the flags into one config per concern (reads the model's config file, not its weights)."""
+        if self.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size {self.data_parallel_size}: one engine core runs one copy of the "
+                             "model; N engine cores run behind `kvserve serve --data-parallel-size N` (or start "
+                             "one LLM per process)")
         device = DeviceConfig(DeviceConfig.resolve_device(self.device), self.attention_backend, self.num_threads,
                               self.enforce_eager)
         model = ModelConfig.resolve(self.model, self.dtype, device.device, self.max_model_len, self.max_logprobs,

@@ -18,15 +18,20 @@ class ParallelConfig:
     MASTER_ADDR and MASTER_PORT)."""
     start_timeout_s: float = 600.0
     """How long the driver waits for a worker to join and load its shard before giving up."""
+    data_parallel_size: int = 1
+    """Engine cores behind one API server, each with a whole copy of the model (engine/data_parallel.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
+                or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1 \
+        if self.distributed_executor_backend == "ray" and max(self.tensor_parallel_size, self.data_parallel_size) > 1 \
                 and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend 'ray' needs Ray, which is not installed: "
                              "pip install 'kvserve[ray]' (or use mp on one machine)")

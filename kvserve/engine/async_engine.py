@@ -83,6 +83,8 @@ class StepReport:
     iteration: IterationStats
     kv_events: list[KVEvent] = field(default_factory=list)
     """What entered and left the prefix cache (--kv-events-config; else empty)."""
+    engine_index: int = 0
+    """Which engine stepped (--data-parallel-size: engine/data_parallel.py); stats are that engine's own."""
 
 
 # ---- the asyncio side ---------------------------------------------------------------------------
@@ -175,8 +177,11 @@ class AsyncEngine:
     """
 
     def __init__(self, args: EngineArgs, *, max_queue_len: int = 256, use_process: bool = False,
-                 engine_process: EngineProcess | None = None):
-        """engine_process: with use_process, the engine process started ahead (engine/engine_process.py)."""
+                 engine_process: EngineProcess | None = None, label: str | None = None,
+                 transport: Callable[[EngineArgs, Callable[[object], None]], object] | None = None):
+        """engine_process: with use_process, the engine process started ahead (engine/engine_process.py).
+        transport: makes the loop's transport instead (engine/ray_engine.py's RayTransport: a Ray actor).
+        label: names this engine in the error its requests get if it dies (e.g. "data-parallel engine 1 of 2")."""
         if max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {max_queue_len}")
         self.args = args
@@ -193,7 +198,10 @@ class AsyncEngine:
         self.startup = PhaseTimes()
         """The front end's own start-up seconds (tokenizer, config), beside the core's in `info.startup_s`."""
         self.dead_reason: str | None = None
-        self._transport: ThreadTransport | ProcessTransport | None = None
+        self.label = label
+        self._make_transport = transport
+        self._front_end = None  # (tokenizer, hf_config), kept for engines that share this one's (start())
+        self._transport = None  # ThreadTransport | ProcessTransport | RayTransport
         self._ready: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
         self._pending_queries: dict[int, asyncio.Future] = {}
@@ -203,27 +211,42 @@ class AsyncEngine:
         self._on_dead: list[Callable[[str], None]] = []
 
     # ---- life cycle -----------------------------------------------------------------------------
-    async def start(self) -> EngineInfo:
-        """Start the loop and wait until the core is built; the tokenizer loads here meanwhile. Raises
-        RuntimeError if the engine cannot start."""
+    def launch(self) -> None:
+        """Start the engine process now (its weights load while start() is not yet awaited); start() does
+        this itself. With the engine on a thread, nothing starts before start()."""
+        if self._ready is not None:
+            return
         self._ready = asyncio.get_running_loop().create_future()
-        transport = ProcessTransport if self.use_process else ThreadTransport
-        if self.use_process:  # the child loads the weights while this process loads the tokenizer
+        if self._make_transport is not None:
+            if self._engine_process is not None:
+                self._engine_process.close()
+            self._transport = self._make_transport(self.args, self._on_message)
+        elif self.use_process:  # the child loads the weights while this process loads the tokenizer
             self._transport = ProcessTransport(self.args, self._on_message, self._engine_process)
         elif self._engine_process is not None:  # started in case: the engine runs on a thread after all
             self._engine_process.close()
         self._engine_process = None
+
+    async def start(self, front_end: "AsyncEngine | None" = None) -> EngineInfo:
+        """Start the loop and wait until the core is built; the tokenizer loads here meanwhile. Raises
+        RuntimeError if the engine cannot start.
+
+        front_end: a started engine of the same model whose tokenizer (and config) this one shares."""
+        self.launch()
         try:
-            # NOTE: on a thread, not beside the engine thread: transformers' lazy imports are not thread-safe.
-            tokenizer, hf_config = await asyncio.to_thread(_load_front_end, self.args, self.startup,
-                                                           self.args._lora_config() is not None)
+            if front_end is not None:
+                tokenizer, hf_config = front_end._front_end
+            else:
+                # NOTE: on a thread, not beside the engine thread: transformers' lazy imports are not thread-safe.
+                tokenizer, hf_config = await asyncio.to_thread(_load_front_end, self.args, self.startup,
+                                                               self.args._lora_config() is not None)
         except Exception as e:
             tokenizer, hf_config = None, None
             front_error = f"{type(e).__name__}: {e}"
         else:
             front_error = None
         if self._transport is None:
-            self._transport = transport(self.args, self._on_message)
+            self._transport = ThreadTransport(self.args, self._on_message)
         ready: Ready = await self._ready
         error = ready.error or front_error
         if error is not None:
@@ -232,6 +255,7 @@ class AsyncEngine:
             transport.join(5.0)
             raise RuntimeError(f"engine failed to start: {error}")
         self.info, self.tokenizer = ready.info, tokenizer
+        self._front_end = (tokenizer, hf_config)
         self.default_sampling = self.args.default_sampling()  # validated at EngineArgs; a small file read
         lora = self.args._lora_config()
         self.processor = Processor(tokenizer, ready.info, eos_token_ids(ready.info.config_eos_token_id, tokenizer),
@@ -264,6 +288,20 @@ class AsyncEngine:
     def num_bytes_received(self) -> int:
         """Bytes the engine process has sent this process (0 with the engine on a thread)."""
         return getattr(self._transport, "num_bytes_received", 0)
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None with the engine on a thread)."""
+        return getattr(self._transport, "pid", None)
+
+    def has_request(self, request_id: str) -> bool:
+        """The request is in flight here."""
+        return request_id in self._streams
+
+    def health(self) -> list[dict]:
+        """Each engine core behind this front end: whether it runs, and why not."""
+        return [{"engine": 0, "running": self.is_running, "error": None if self.is_running else self.dead_reason,
+                 "pid": self.pid}]
 
     def add_listener(self, listener: Callable[[StepReport], None]) -> None:
         self._listeners.append(listener)
@@ -364,7 +402,8 @@ class AsyncEngine:
             died = message.error is not None and self._transport is not None  # not after start() failed
             if died:
                 logger.error("engine loop stopped: %s", message.error)
-                self.dead_reason = "the engine stopped after an internal error"
+                self.dead_reason = f"the engine{' (' + self.label + ')' if self.label else ''} stopped after an " \
+                                   f"internal error ({_first_line(message.error)})"
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(Ready(None, message.error or "stopped before it was ready"))
             self._fail_all(self.dead_reason or "the engine is shut down")
@@ -402,6 +441,12 @@ class AsyncEngine:
         for request_id, stream in list(self._streams.items()):
             stream._queue.put_nowait(EngineDeadError(reason))
             self._forget(request_id)
+
+
+def _first_line(error: str) -> str:
+    """A traceback's last line (the exception), or a one-line message as it is."""
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else error
 
 
 def _load_front_end(args: EngineArgs, phases: PhaseTimes, with_config: bool):

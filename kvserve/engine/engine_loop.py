@@ -240,6 +240,18 @@ def _serve_engine(args: EngineArgs, recv: Callable[[bool], list], emit: Callable
 
 
 # ---- transports ---------------------------------------------------------------------------------
+def drain_queue(q: queue.SimpleQueue, block: bool, timeout: float | None = None) -> list:
+    """Everything in q now; when `block`, first waiting for one item (at most `timeout` seconds, if given)."""
+    items = []
+    try:
+        items.append(q.get(block=block, timeout=timeout if block else None))
+        while True:
+            items.append(q.get_nowait())
+    except queue.Empty:
+        pass
+    return items
+
+
 class ThreadTransport:
     """The loop on a thread of this process; messages are handed over with call_soon_threadsafe."""
 
@@ -258,14 +270,7 @@ class ThreadTransport:
         self._thread.start()
 
     def _recv(self, block: bool) -> list:
-        commands = []
-        try:
-            commands.append(self._inbox.get(block=block))
-            while True:
-                commands.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        return commands
+        return drain_queue(self._inbox, block)
 
     def send(self, command: object) -> None:
         self._inbox.put(command)
@@ -322,6 +327,10 @@ class ProcessTransport:
 
         self._reader = threading.Thread(target=read, name="kvserve-engine-reader", daemon=True)
         self._reader.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
 
     def send(self, command: object) -> None:
         try:

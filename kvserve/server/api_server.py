@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import kvserve
 from kvserve.config import EngineArgs
 from kvserve.config.kv_events import KVEventsConfig
-from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.data_parallel import create_async_engine
 from kvserve.kv_cache.admission_check import admission_warning
 from kvserve.engine.engine_process import EngineProcess
 from kvserve.server.config import ServerConfig
@@ -63,11 +63,11 @@ def build_app(config: ServerConfig, engine_args: EngineArgs,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = AsyncEngine(engine_args, max_queue_len=config.max_queue_len,
-                             use_process=config.engine_loop == "process", engine_process=engine_process)
+        engine = create_async_engine(engine_args, max_queue_len=config.max_queue_len,
+                                     use_process=config.engine_loop == "process", engine_process=engine_process)
         info = await engine.start()
         names = [config.served_model_name or info.model_name]
-        metrics = ServerMetrics(names[0], info.kv_cache_dtype, info.kv_cache_bytes)
+        metrics = ServerMetrics(names[0], info.kv_cache_dtype, info.kv_cache_bytes, engine_health=engine.health)
         engine.add_listener(metrics.on_step)
         if config.log_requests:
             engine.add_listener(_log_finished)
@@ -262,7 +262,12 @@ def _add_routes(app: FastAPI, auth: list, metrics_auth: list) -> None:
             raise APIError(503, f"the engine is not running: {s.engine.dead_reason}")
         if s.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        return Response(status_code=200)
+        engines = s.engine.health()
+        if len(engines) == 1:
+            return Response(status_code=200)
+        # --data-parallel-size: the server answers while one engine serves; the body says which do not
+        status = "ok" if all(e["running"] for e in engines) else "degraded"
+        return JSONResponse({"status": status, "engines": engines})
 
     @app.get("/kv_events", dependencies=auth)
     async def kv_events(request: Request, since: int = 0, timeout: float = 0.0) -> Response:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from kvserve.engine.async_engine import EngineStats, StepReport
+from kvserve.engine.data_parallel import sum_stats
 
 logger = logging.getLogger("kvserve.server")
 
@@ -24,9 +26,14 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
 
 
 class ServerMetrics:
-    """The server's Prometheus metrics; `on_step` is an AsyncEngine listener."""
+    """The server's Prometheus metrics; `on_step` is an AsyncEngine listener.
 
-    def __init__(self, model_name: str, kv_cache_dtype: str = "float32", kv_cache_bytes: int = 0):
+    With several engines (--data-parallel-size) the unlabelled gauges are the live engines' sum, and the
+    `kvserve:engine_*` gauges, labelled `engine`, are each engine's own; `engine_health` (the engine's
+    health()) is read at every scrape, so a dead engine shows as `kvserve:engine_healthy 0`."""
+
+    def __init__(self, model_name: str, kv_cache_dtype: str = "float32", kv_cache_bytes: int = 0,
+                 engine_health: Callable[[], list[dict]] | None = None):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         ProcessCollector(registry=r)  # process_resident_memory_bytes etc. of the server process
@@ -84,33 +91,68 @@ class ServerMetrics:
               "stored as (int8, fp8_e4m3, or the model's dtype).", labels + ["cache_dtype"],
               registry=r).labels(model_name, kv_cache_dtype).set(1)
         self._model_name = model_name
-        self._last = EngineStats()
+        self._last: dict[int, EngineStats] = {}
+        """Each engine's latest stats (counters grow by the difference)."""
+        self._engine_health = engine_health
+        self._dead: set[int] = set()
+        per_engine = labels + ["engine"]
+        self._engine_gauges = {
+            name: Gauge(f"kvserve:engine_{name}", doc, per_engine, registry=r) for name, doc in (
+                ("healthy", "1 while the engine serves, 0 once it died (--data-parallel-size)."),
+                ("num_requests_running", "Sequences running in this engine."),
+                ("num_requests_waiting", "Sequences waiting in this engine's queue."),
+                ("kv_cache_request_blocks", "KV blocks held by requests in this engine; 0 whenever none runs."),
+                ("kv_cache_usage_perc", "Fraction of this engine's KV-cache blocks held by requests."))}
+        for engine in engine_health() if engine_health is not None else ():
+            for gauge in self._engine_gauges.values():
+                gauge.labels(model_name, str(engine["engine"])).set(0)
         # Plain totals for the stats log line (reading them back from prometheus objects is clumsy).
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
     def render(self) -> bytes:
+        if self._engine_health is not None:
+            for engine in self._engine_health():
+                index, running = engine["engine"], engine["running"]
+                self._engine_gauges["healthy"].labels(self._model_name, str(index)).set(1 if running else 0)
+                if not running and index not in self._dead:
+                    self._dead.add(index)  # its sequences and blocks went with it
+                    self._set_gauges(index, EngineStats())
         return generate_latest(self.registry)
 
     def on_rejected(self, reason: str) -> None:
         self._rejected.labels(self._model_name, reason).inc()
 
+    def _set_gauges(self, index: int, stats: EngineStats) -> None:
+        """Engine `index` now has `stats`: its own gauges, and the sums over live engines."""
+        engine = str(index)
+        for name, value in (("num_requests_running", stats.num_running), ("num_requests_waiting", stats.num_waiting),
+                            ("kv_cache_request_blocks", stats.num_kv_request_blocks),
+                            ("kv_cache_usage_perc", stats.kv_cache_usage)):
+            self._engine_gauges[name].labels(self._model_name, engine).set(value)
+        latest = {i: s for i, s in self._last.items() if i not in self._dead}
+        if index not in self._dead:
+            latest[index] = stats
+        total = sum_stats(list(latest.values()))
+        self.running.set(total.num_running)
+        self.waiting.set(total.num_waiting)
+        self.kv_usage.set(total.kv_cache_usage)
+        self.pinned_blocks.set(total.num_pinned_blocks)
+        self.total_blocks.set(total.num_kv_blocks_total)
+        self.request_blocks.set(total.num_kv_request_blocks)
+        self.engine_memory.set(total.resident_memory_bytes)
+
     def on_step(self, report: StepReport) -> None:
-        stats = report.stats
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.pinned_blocks.set(stats.num_pinned_blocks)
-        self.total_blocks.set(stats.num_kv_blocks_total)
-        self.request_blocks.set(stats.num_kv_request_blocks)
-        self.engine_memory.set(stats.resident_memory_bytes)
-        self.preemptions.inc(stats.num_preemptions_total - self._last.num_preemptions_total)
-        self.prefix_queries.inc(stats.num_prefix_query_tokens_total - self._last.num_prefix_query_tokens_total)
-        self.prefix_hits.inc(stats.num_prefix_hit_tokens_total - self._last.num_prefix_hit_tokens_total)
-        self.busy_seconds.inc(max(0.0, stats.busy_s - self._last.busy_s))
-        self.steps.inc(stats.num_steps_total - self._last.num_steps_total)
-        self._on_spec(stats, self._last)
-        self._last = stats
+        stats, index = report.stats, report.engine_index
+        last = self._last.get(index, EngineStats())
+        self._set_gauges(index, stats)
+        self.preemptions.inc(stats.num_preemptions_total - last.num_preemptions_total)
+        self.prefix_queries.inc(stats.num_prefix_query_tokens_total - last.num_prefix_query_tokens_total)
+        self.prefix_hits.inc(stats.num_prefix_hit_tokens_total - last.num_prefix_hit_tokens_total)
+        self.busy_seconds.inc(max(0.0, stats.busy_s - last.busy_s))
+        self.steps.inc(stats.num_steps_total - last.num_steps_total)
+        self._on_spec(stats, last)
+        self._last[index] = stats
         it = report.iteration
         self.num_generation_tokens += it.num_generation_tokens
         self.generation_tokens.inc(it.num_generation_tokens)

@@ -17,19 +17,19 @@ def add_dataclass_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str,
     for f in dataclasses.fields(cls):
         if f.name in exclude:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()))
         hint = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else None
         # NOTE: the default is appended to the help by the parser's formatter (utils/cli_help.py).
         kwargs: dict[str, Any] = {"default": default, "help": (f.metadata.get("help") or "").replace("%", "%%")}
         if hint is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
             continue
         if hint in (tuple[str, ...], tuple[str, ...] | None):
-            parser.add_argument(flag, nargs="+", action="extend", type=str, **kwargs)
+            parser.add_argument(*flags, nargs="+", action="extend", type=str, **kwargs)
             continue
         base = int if hint in (int, int | None) else float if hint in (float, float | None) else str
-        parser.add_argument(flag, type=base, choices=f.metadata.get("choices"), **kwargs)
+        parser.add_argument(*flags, type=base, choices=f.metadata.get("choices"), **kwargs)
 
 
 def dataclass_from_args(cls, args: argparse.Namespace):
