@@ -270,6 +270,16 @@ class Worker:
         pool = KVPool.allocate(draft_spec, self.backend, self.device)
         return DraftModelProposer(self.draft_model, self.backend, pool.layers, draft_spec.block_size, self.device)
 
+    def kv_connector_handshake_metadata(self) -> dict | None:
+        """What the scheduler-side KV connector must know of this worker's (its side channel); None: none."""
+        step = None if self.runner is None else self.runner.kv_connector
+        return None if step is None else step.connector.get_handshake_metadata()
+
+    def shutdown_kv_connector(self) -> None:
+        step = None if self.runner is None else self.runner.kv_connector
+        if step is not None:
+            step.connector.shutdown()
+
     def step_cost_knee(self) -> int:
         """Step tokens up to which a step of this model costs more per token (layers/quant step_cost_knee; 0:
         no such knee): the engine core's step-cost model learns it through the executor."""

@@ -1,0 +1,179 @@
+"""The pull connector's worker side: the blocks this instance serves (prefill) and the pulls it runs (decode).
+
+Serving: a finished request's blocks are registered with a lease; the side channel's thread copies them out
+under a lock, so once the main thread has reported a request as sent (read and notified, or its lease expired)
+no read touches its blocks again and the scheduler may hand them out. Pulling: one background thread per
+request reads its blocks, checks the checksum and the layout, writes them into the blocks the scheduler
+allocated for it (no one else reads or writes those until it resumes) and then tells the server it is done.
+A finished pull is reported at the next step's start, so that its failed blocks and its completion reach the
+scheduler in the same step's output.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.kv_transfer.connectors.pull_transport import (Snapshot, TransferError, connect, notify, read_blocks,
+                                                           snapshot_blocks, split_payload)
+
+logger = logging.getLogger("kvserve")
+
+_GONE_MEMORY = 4096
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """One request's pull: its blocks at `local_block_ids` come from the prefill instance's `remote_block_ids`
+    (empty lists: nothing to read, only tell the prefill instance it may free them)."""
+    req_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+
+
+class ServedBlocks:
+    """Requests whose blocks this (prefill) instance serves, each until its reader says it is done or its lease
+    expires."""
+
+    def __init__(self, lease_s: float):
+        self.lease_s = lease_s
+        self.kv_caches: list = []
+        self._lock = threading.Lock()
+        self._served: dict[str, tuple[frozenset[int], float]] = {}
+        self._done: set[str] = set()
+        self._gone: OrderedDict[str, str] = OrderedDict()  # why a request is no longer served, for readers
+
+    def add(self, req_id: str, block_ids: list[int]) -> None:
+        with self._lock:
+            self._served[req_id] = (frozenset(block_ids), time.monotonic() + self.lease_s)
+
+    def snapshot(self, req_id: str, block_ids: list[int]) -> Snapshot:
+        """Copies of the blocks. KeyError: not registered yet; TransferError: no longer served, or not its blocks."""
+        with self._lock:
+            entry = self._served.get(req_id)
+            if entry is None:
+                if req_id in self._gone:
+                    raise TransferError(f"request {req_id} is no longer served here ({self._gone[req_id]})")
+                raise KeyError(f"request {req_id} is not served here (unknown request id)")
+            if not entry[0].issuperset(block_ids):
+                raise TransferError(f"blocks {sorted(set(block_ids) - entry[0])} are not request {req_id}'s")
+            return snapshot_blocks(self.kv_caches, block_ids)
+
+    def notified(self, req_id: str) -> None:
+        with self._lock:
+            if self._served.pop(req_id, None) is not None:
+                self._done.add(req_id)
+                self._forget(req_id, "already read")
+
+    def finished(self) -> set[str]:
+        """Requests whose blocks are no longer read (read, or their lease expired) since the last call."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [r for r, (_, deadline) in self._served.items() if deadline <= now]
+            for req_id in expired:
+                del self._served[req_id]
+                self._forget(req_id, f"its lease of {self.lease_s:g} s expired")
+                logger.warning("KV pull: no decode instance read request %s's blocks within its lease (%g s); "
+                               "freeing them", req_id, self.lease_s)
+            done, self._done = self._done | set(expired), set()
+        return done
+
+    def _forget(self, req_id: str, why: str) -> None:
+        self._gone[req_id] = why
+        while len(self._gone) > _GONE_MEMORY:
+            self._gone.popitem(last=False)
+
+
+@dataclass
+class _Job:
+    spec: PullSpec
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    done: bool = False
+
+
+class PullJobs:
+    """The pulls in flight on this (decode) instance, each on its own thread."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.kv_caches: list = []
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+
+    def start(self, spec: PullSpec) -> None:
+        job = _Job(spec)
+        if spec.local_block_ids:
+            self._jobs[spec.req_id] = job
+        threading.Thread(target=self._run, args=(job,), name=f"kv-pull-{spec.req_id}", daemon=True).start()
+
+    def cancel(self, req_id: str) -> None:
+        job = self._jobs.get(req_id)
+        if job is not None:
+            job.cancelled.set()
+
+    def collect(self) -> tuple[set[str], set[int]]:
+        """(requests whose pull ended since the last call, the blocks of those that failed)."""
+        with self._lock:
+            ended = [job for job in self._jobs.values() if job.done]
+        failed: set[int] = set()
+        for job in ended:
+            del self._jobs[job.spec.req_id]
+            if job.error is not None and not job.cancelled.is_set():
+                failed.update(job.spec.local_block_ids)
+        return {job.spec.req_id for job in ended}, failed
+
+    def _run(self, job: _Job) -> None:
+        spec = job.spec
+        try:
+            pull_into(self.kv_caches, spec, time.monotonic() + self.timeout_s, job.cancelled)
+        except TransferError as e:
+            job.error = str(e)
+            if not job.cancelled.is_set():
+                logger.warning("KV pull: request %s's KV from %s:%s (its request %s) failed: %s", spec.req_id,
+                               spec.remote_host, spec.remote_port, spec.remote_request_id, e)
+        except Exception as e:  # noqa: BLE001 — a bug here must fail the request, not the thread silently
+            job.error = f"{type(e).__name__}: {e}"
+            logger.exception("KV pull: request %s failed", spec.req_id)
+        with self._lock:
+            job.done = True
+
+
+def pull_into(kv_caches: list, spec: PullSpec, deadline: float, cancelled: threading.Event) -> None:
+    """Read spec's blocks from the prefill instance into `kv_caches`, then tell it they were read."""
+    sock = connect(spec.remote_host, spec.remote_port, deadline)
+    try:
+        if spec.remote_block_ids:
+            layers, payload = read_blocks(sock, spec.remote_request_id, spec.remote_block_ids, deadline, cancelled)
+            try:
+                write_blocks(kv_caches, layers, payload, spec.local_block_ids)
+            finally:  # read completely (even if unusable): the prefill instance may free its blocks
+                notify(sock, spec.remote_request_id, deadline)
+        else:
+            notify(sock, spec.remote_request_id, deadline)
+    finally:
+        sock.close()
+
+
+def write_blocks(kv_caches: list, layers: list, payload: bytearray, local_block_ids: list[int]) -> None:
+    if len(layers) != len(kv_caches):
+        raise TransferError(f"the prefill instance's model has {len(layers)} layers' KV, this one {len(kv_caches)}")
+    received = split_payload(layers, payload, len(local_block_ids))
+    for kv_layer, parts in zip(kv_caches, received):
+        scales = getattr(kv_layer, "scales", None)
+        dests = [("values", kv_layer.values), ("scales", scales)] if scales is not None else [("values", kv_layer)]
+        want = [(n, t.dtype, tuple(t.shape[1:])) for n, t in dests]
+        got = [(n, t.dtype, tuple(t.shape[1:])) for n, t in parts]
+        if want != got:
+            raise TransferError(f"the prefill instance's KV cache layout {got} is not this instance's {want} (same "
+                                "model, block size and kv_cache_dtype on both sides?)")
+        for (_, dest), (_, src) in zip(dests, parts):
+            idx = torch.tensor(local_block_ids, dtype=torch.int64, device=dest.device)
+            dest.index_copy_(0, idx, src.to(dest.device))
