@@ -6,10 +6,14 @@ or fail per kv_load_failure_policy. Block invariants on both engines after every
 at the end."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
+from kvserve.kv_transfer.connectors import pull_transport
+from kvserve.request import RequestStatus
 from tests.helpers.kv_pull import assert_all_blocks_free, disaggregated, greedy, pull_config, step_all
 from tests.helpers.oracles import hf_greedy
 
@@ -56,9 +60,41 @@ def test_prefill_then_decode_matches_hf(tiny_llama, connector):
     assert_all_blocks_free(prefill, decode)
 
 
-def test_response_carries_vllm_kv_transfer_params(tiny_llama):
+@pytest.mark.parametrize("engine_kwargs", [dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="fp8_e4m3"),
+                                           dict(dtype="bfloat16")], ids=["int8", "fp8", "bf16"])
+def test_every_kv_cache_dtype_matches_one_engine(tiny_llama, engine_kwargs):
+    """The oracle computes the same way on one engine: the prompt (chunked), then its last token alone over the
+    cached prompt. One request at a time: a coarse cache turns the batch's rounding into other tokens."""
     path, _ = tiny_llama
-    prefill = Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config=pull_config("kv_producer") | {
+    one = Engine(EngineArgs(model=path, **ENGINE, **engine_kwargs))
+    prefill, decode = _pair(path, **engine_kwargs)
+    for i, (prompt, max_tokens) in enumerate(REQS[:4]):
+        one.add_request(f"cache-{i}", prompt, greedy(1))
+        step_all([one], None)
+        one.add_request(str(i), prompt, greedy(max_tokens))
+        want = _tokens(step_all([one], None))
+        one.scheduler.kv.reset_prefix_cache()
+        assert _tokens(disaggregated(prefill, decode, [(prompt, max_tokens)], ids=[str(i)])) == want
+        decode.scheduler.kv.reset_prefix_cache()
+    assert decode.scheduler.stats.num_kv_load_failures == 0
+    assert decode.scheduler.stats.num_external_hit_tokens == sum(len(p) - 1 for p, _ in REQS[:4])
+    assert_all_blocks_free(prefill, decode)
+
+
+def test_decode_side_preemption_after_a_pull(tiny_llama):
+    path, hf = tiny_llama
+    prefill = Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config=pull_config("kv_producer")))
+    decode = Engine(EngineArgs(model=path, **(ENGINE | dict(num_gpu_blocks_override=24)),
+                               kv_transfer_config=pull_config("kv_consumer")))
+    reqs = [(p, 12) for p, _ in REQS[:5]]
+    _assert_hf(disaggregated(prefill, decode, reqs), reqs, hf)
+    assert decode.scheduler.stats.num_preemptions > 0
+    assert_all_blocks_free(prefill, decode)
+
+
+def test_response_carries_vllm_kv_transfer_params_and_an_unread_lease_expires(tiny_llama):
+    path, _ = tiny_llama
+    prefill = Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config=pull_config("kv_producer", lease_s=0.3) | {
         "engine_id": "prefill-7"}))
     prompt = REQS[0][0]
     prefill.add_request("r", prompt, greedy(1, {"do_remote_decode": True}))
@@ -74,3 +110,126 @@ def test_response_carries_vllm_kv_transfer_params(tiny_llama):
     prefill.add_request("plain", prompt, greedy(1))
     plain = step_all([prefill], lambda d: "plain" in d)["plain"]
     assert plain.kv_transfer_params is None
+    step_all([prefill], None)  # nobody reads "r": its lease frees its blocks
+    assert_all_blocks_free(prefill)
+
+
+def _assert_failed(done: dict, ids) -> None:
+    for i in ids:
+        out = done[i].outputs[0]
+        assert out.finish_reason == "error" and list(out.token_ids) == [], out
+        assert "kv_load_failure_policy is 'fail'" in out.error, out.error
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_instance_gone_after_answering(tiny_llama, policy):
+    path, hf = tiny_llama
+    prefill, decode = _pair(path, policy, prefill_extra={"lease_s": 0.5})
+    reqs = REQS[:2]
+
+    def kill_prefill_side_channel(req_id, params):
+        prefill.core.executor.worker.shutdown_kv_connector()
+        return params
+
+    done = disaggregated(prefill, decode, reqs, params_of=kill_prefill_side_channel)
+    assert decode.scheduler.stats.num_kv_load_failures == 2
+    if policy == "recompute":
+        _assert_hf(done, reqs, hf)
+    else:
+        _assert_failed(done, ["0", "1"])
+    assert_all_blocks_free(prefill, decode)  # the prefill side's leases freed its blocks
+
+
+def _faulty_send(monkeypatch, fault: str) -> None:
+    """The side channel drops (half a payload, then the connection) or corrupts (one byte) every read's answer."""
+    real = pull_transport.send_msg
+
+    def send(sock, header, parts=()):
+        if not parts:
+            return real(sock, header, parts)
+        first = parts[0].clone()
+        flat = first.reshape(-1).view(__import__("torch").uint8)
+        if fault == "corrupt":
+            flat[len(flat) // 2] ^= 0xFF
+            return real(sock, header, [first, *parts[1:]])
+        real(sock, header, [])
+        sock.sendall(pull_transport._as_bytes(first)[:len(flat) // 2])
+        raise OSError("the prefill instance died mid-transfer")
+
+    monkeypatch.setattr(pull_transport, "send_msg", send)
+
+
+@pytest.mark.parametrize("fault", ["drop", "corrupt"])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_dropped_or_corrupt_transfer(tiny_llama, monkeypatch, fault, policy):
+    path, hf = tiny_llama
+    prefill, decode = _pair(path, policy, prefill_extra={"lease_s": 0.5})
+    _faulty_send(monkeypatch, fault)
+    done = disaggregated(prefill, decode, REQS[:2])
+    assert decode.scheduler.stats.num_kv_load_failures == 2
+    if policy == "recompute":
+        _assert_hf(done, REQS[:2], hf)
+    else:
+        _assert_failed(done, ["0", "1"])
+    assert_all_blocks_free(prefill, decode)
+
+
+def test_lease_expired_before_the_read_recomputes(tiny_llama):
+    path, hf = tiny_llama
+    prefill, decode = _pair(path, prefill_extra={"lease_s": 0.2})
+
+    def after_the_lease(req_id, params):
+        step_all([prefill], None)  # nobody read it in time: the prefill side freed the blocks
+        assert prefill.block_pool.counts()["in_use"] == 0
+        return params
+
+    done = disaggregated(prefill, decode, REQS[:1], params_of=after_the_lease)
+    _assert_hf(done, REQS[:1], hf)
+    assert decode.scheduler.stats.num_kv_load_failures == 1
+    assert_all_blocks_free(prefill, decode)
+
+
+def _hanging_reads(monkeypatch) -> threading.Event:
+    """The side channel answers no read until the returned event is set."""
+    release = threading.Event()
+    real = pull_transport.BlockServer._read
+
+    def read(self, sock, request_id, block_ids):
+        release.wait(30)
+        return real(self, sock, request_id, block_ids)
+
+    monkeypatch.setattr(pull_transport.BlockServer, "_read", read)
+    return release
+
+
+def test_abort_while_pulling_frees_the_blocks(tiny_llama, monkeypatch):
+    path, _ = tiny_llama
+    prefill, decode = _pair(path, prefill_extra={"lease_s": 1.0})
+    release = _hanging_reads(monkeypatch)
+    try:
+        prompt = REQS[0][0]
+        prefill.add_request("p", prompt, greedy(1, {"do_remote_decode": True}))
+        params = step_all([prefill], lambda d: "p" in d)["p"].kv_transfer_params
+        decode.add_request("d", prompt, greedy(4, params))
+        step_all([decode], lambda d: decode.scheduler.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        assert decode.block_pool.counts()["in_use"] == 7
+        decode.abort_request("d")
+        assert "d" in decode.scheduler.kv_held  # the pull may still write them: held until it stops
+        done = step_all([prefill, decode], None)
+        assert done["d"].outputs[0].finish_reason == "abort"
+    finally:
+        release.set()
+    assert_all_blocks_free(prefill, decode)
+
+
+def test_a_pull_never_waits_past_its_timeout(tiny_llama, monkeypatch):
+    path, hf = tiny_llama
+    prefill, decode = _pair(path, prefill_extra={"lease_s": 1.0}, decode_extra={"timeout_s": 0.3})
+    release = _hanging_reads(monkeypatch)
+    try:
+        done = disaggregated(prefill, decode, REQS[:1])
+    finally:
+        release.set()
+    _assert_hf(done, REQS[:1], hf)
+    assert decode.scheduler.stats.num_kv_load_failures == 1
+    assert_all_blocks_free(prefill, decode)

@@ -175,5 +175,7 @@ def write_blocks(kv_caches: list, layers: list, payload: bytearray, local_block_
             raise TransferError(f"the prefill instance's KV cache layout {got} is not this instance's {want} (same "
                                 "model, block size and kv_cache_dtype on both sides?)")
         for (_, dest), (_, src) in zip(dests, parts):
+            if dest.dtype.is_floating_point and dest.element_size() == 1:  # fp8 has no index_copy_: same bytes
+                dest, src = dest.view(torch.uint8), src.view(torch.uint8)
             idx = torch.tensor(local_block_ids, dtype=torch.int64, device=dest.device)
             dest.index_copy_(0, idx, src.to(dest.device))
