@@ -228,14 +228,18 @@ class Scheduler:
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:  # first admission, not a resumption
                 self._record_admission(req, num_hit, num_external)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if req.lora_int_id:
-                loras.add(req.lora_int_id)
-            admitted.append(req)
-            scheduled.append((req, num_new))
+            self._start_running(req, num_new, scheduled, admitted, loras)
             budget -= num_new
         return admitted
+
+    def _start_running(self, req: Request, num_new: int, scheduled: list[tuple[Request, int]],
+                       admitted: list[Request], loras: set[int]) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if req.lora_int_id:
+            loras.add(req.lora_int_id)
+        admitted.append(req)
+        scheduled.append((req, num_new))
 
     def _record_admission(self, req: Request, num_hit: int, num_external: int) -> None:
         req.num_cached_tokens = num_hit + num_external
@@ -272,12 +276,7 @@ class Scheduler:
             if num_new == 0 or not self.kv.allocate_slots(req, num_new):
                 break
             self.remote.ready.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if req.lora_int_id:
-                loras.add(req.lora_int_id)
-            admitted.append(req)
-            scheduled.append((req, num_new))
+            self._start_running(req, num_new, scheduled, admitted, loras)
             budget -= num_new
         return budget
 
