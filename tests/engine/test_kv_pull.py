@@ -18,11 +18,13 @@ from tests.helpers.kv_pull import assert_all_blocks_free, disaggregated, greedy,
 from tests.helpers.oracles import hf_greedy
 
 # block 4, 16 tokens a step: prompts are chunked on both sides; 5 and 6 share a prefix with 4 (a local hit on
-# the decode side once 4 ran there), 7 is shorter than a block.
+# the decode side once 4 ran there: they pull only their last block), 7 is shorter than a block, 8 is 4 again
+# (all but its last token cached on the decode side: nothing to pull, the prefill side is only told to free).
 ENGINE = dict(block_size=4, num_gpu_blocks_override=64, max_num_batched_tokens=16)
 _SHARED = list(range(300, 322))
 REQS = [(list(range(100, 126)), 8), (list(range(900, 913)), 6), (list(range(200, 237)), 5), (list(range(40, 56)), 4),
-        (_SHARED + [7, 8, 9], 6), (_SHARED + [11, 12], 6), (_SHARED + [13], 3), ([5, 6, 7], 4)]
+        (_SHARED + [7, 8, 9], 6), (_SHARED + [11, 12], 6), (_SHARED + [13], 3), ([5, 6, 7], 4),
+        (_SHARED + [7, 8, 9], 2)]
 
 
 def _pair(path, policy="recompute", connector="PullConnector", prefill_extra=None, decode_extra=None, **kwargs):
@@ -56,7 +58,9 @@ def test_prefill_then_decode_matches_hf(tiny_llama, connector):
     rest = disaggregated(prefill, decode, REQS[5:], ids=[str(i) for i in range(5, len(REQS))])
     _assert_hf(first | rest, REQS, hf)
     assert decode.scheduler.stats.num_prefix_hit_tokens > 0
-    assert all(v.num_cached_tokens == len(p) - 1 for v, (p, _) in zip((rest[str(i)] for i in (5, 6)), REQS[5:7]))
+    stats = decode.core.executor.worker.runner.kv_connector.connector.transfer_stats()
+    assert stats["num_pulled"] == len(REQS) - 1 and stats["bytes"] > 0  # 8 pulled nothing, only said so
+    assert all(rest[str(i)].num_cached_tokens == len(REQS[i][0]) - 1 for i in range(5, len(REQS)))
     assert_all_blocks_free(prefill, decode)
 
 

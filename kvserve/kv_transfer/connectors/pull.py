@@ -9,7 +9,7 @@ one) until the reader says it is done or the lease (kv_connector_extra_config "l
 VLLM_NIXL_ABORT_REQUEST_TIMEOUT's 480 s by default) expires.
 Decode side (kv_consumer / kv_both): a request whose kv_transfer_params say do_remote_prefill loads its prompt's
 KV asynchronously: the scheduler parks it (WAITING_FOR_REMOTE_KVS) holding its blocks, the worker pulls them in
-the background (every layer, values and scales, one sha256 per transfer; "timeout_s", at most the lease, bounds
+the background (every layer, values and scales, a CRC-32 per transfer; "timeout_s", at most the lease, bounds
 it) and reports it in finished_recving; the request then resumes as a prefix hit. A failed pull is a load error
 (kv_load_failure_policy: recompute or fail). The local prefix cache is read first: only the blocks it misses are
 pulled. With nothing to pull, the prefill instance is still told to free its blocks.
@@ -206,6 +206,11 @@ class PullConnector(KVConnectorBase_V1):
         for req_id in meta.cancel:
             self._jobs.cancel(req_id)
         self._recv_done, self._errors = self._jobs.collect()
+
+    def transfer_stats(self) -> dict:
+        """Worker side: the pulls completed so far, their payload bytes and seconds (for `kvserve bench`)."""
+        jobs = self._jobs
+        return {"num_pulled": jobs.num_pulled, "bytes": jobs.num_bytes, "seconds": jobs.seconds}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self._errors)

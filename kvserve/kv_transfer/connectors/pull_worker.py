@@ -107,6 +107,10 @@ class PullJobs:
         self.kv_caches: list = []
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
+        self.num_pulled = 0
+        """Pulls that completed, their payload bytes and seconds (connect to notify), over the connector's life."""
+        self.num_bytes = 0
+        self.seconds = 0.0
 
     def start(self, spec: PullSpec) -> None:
         job = _Job(spec)
@@ -132,8 +136,16 @@ class PullJobs:
 
     def _run(self, job: _Job) -> None:
         spec = job.spec
+        start = time.monotonic()
         try:
-            pull_into(self.kv_caches, spec, time.monotonic() + self.timeout_s, job.cancelled)
+            num_bytes = pull_into(self.kv_caches, spec, start + self.timeout_s, job.cancelled)
+            seconds = time.monotonic() - start
+            logger.debug("KV pull: request %s: %d blocks, %d bytes in %.3f s", spec.req_id,
+                         len(spec.local_block_ids), num_bytes, seconds)
+            with self._lock:
+                self.num_pulled += bool(spec.local_block_ids)
+                self.num_bytes += num_bytes
+                self.seconds += seconds
         except TransferError as e:
             job.error = str(e)
             if not job.cancelled.is_set():
@@ -146,18 +158,20 @@ class PullJobs:
             job.done = True
 
 
-def pull_into(kv_caches: list, spec: PullSpec, deadline: float, cancelled: threading.Event) -> None:
-    """Read spec's blocks from the prefill instance into `kv_caches`, then tell it they were read."""
+def pull_into(kv_caches: list, spec: PullSpec, deadline: float, cancelled: threading.Event) -> int:
+    """Read spec's blocks from the prefill instance into `kv_caches`, then tell it they were read; returns the
+    payload's bytes."""
     sock = connect(spec.remote_host, spec.remote_port, deadline)
     try:
-        if spec.remote_block_ids:
-            layers, payload = read_blocks(sock, spec.remote_request_id, spec.remote_block_ids, deadline, cancelled)
-            try:
-                write_blocks(kv_caches, layers, payload, spec.local_block_ids)
-            finally:  # read completely (even if unusable): the prefill instance may free its blocks
-                notify(sock, spec.remote_request_id, deadline)
-        else:
+        if not spec.remote_block_ids:
             notify(sock, spec.remote_request_id, deadline)
+            return 0
+        layers, payload = read_blocks(sock, spec.remote_request_id, spec.remote_block_ids, deadline, cancelled)
+        try:
+            write_blocks(kv_caches, layers, payload, spec.local_block_ids)
+        finally:  # read completely (even if unusable): the prefill instance may free its blocks
+            notify(sock, spec.remote_request_id, deadline)
+        return len(payload)
     finally:
         sock.close()
 
