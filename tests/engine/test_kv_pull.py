@@ -237,3 +237,45 @@ def test_a_pull_never_waits_past_its_timeout(tiny_llama, monkeypatch):
     _assert_hf(done, REQS[:1], hf)
     assert decode.scheduler.stats.num_kv_load_failures == 1
     assert_all_blocks_free(prefill, decode)
+
+
+def test_multi_connector_with_the_pull_connector(tiny_llama):
+    path, hf = tiny_llama
+
+    def multi(role):
+        return {"kv_connector": "MultiConnector", "kv_role": role, "kv_connector_extra_config": {"connectors": [
+            pull_config(role), {"kv_connector": "OffloadingConnector",
+                                "kv_connector_extra_config": {"num_cpu_blocks": 32}}]}}
+
+    prefill = Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config=multi("kv_producer")))
+    decode = Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config=multi("kv_both")))
+    _assert_hf(disaggregated(prefill, decode, REQS[:3]), REQS[:3], hf)
+    assert decode.scheduler.stats.num_external_hit_tokens == sum(len(p) - 1 for p, _ in REQS[:3])
+    assert decode.core.kv_connector.connectors[1].num_external_hit_tokens == 0  # the pull served every hit
+    worker_pull = decode.core.executor.worker.runner.kv_connector.connector.connectors[0]
+    assert worker_pull.transfer_stats()["num_pulled"] == 3
+    assert_all_blocks_free(prefill, decode)
+
+
+def test_another_kv_layout_is_a_load_error(tiny_llama):
+    path, hf = tiny_llama
+    prefill = Engine(EngineArgs(model=path, **ENGINE, kv_cache_dtype="int8",
+                                kv_transfer_config=pull_config("kv_producer")))
+    decode = Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config=pull_config("kv_consumer")))
+    _assert_hf(disaggregated(prefill, decode, REQS[:1]), REQS[:1], hf)  # recomputed on the decode side
+    assert decode.scheduler.stats.num_kv_load_failures == 1
+    assert_all_blocks_free(prefill, decode)
+
+
+def test_bad_configs_fail_at_start_up(tiny_llama):
+    path, _ = tiny_llama
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        Engine(EngineArgs(model=path, tensor_parallel_size=2, kv_transfer_config=pull_config("kv_both")))
+    with pytest.raises(ValueError, match="lease_s must be a positive number"):
+        Engine(EngineArgs(model=path, kv_transfer_config=pull_config("kv_both", lease_s=0)))
+    with pytest.raises(ValueError, match="'lease'"):
+        Engine(EngineArgs(model=path, kv_transfer_config=pull_config("kv_both", lease=5)))
+    taken = Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config=pull_config("kv_producer")))
+    port = taken.core.kv_connector.side_channel[1]
+    with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+        Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config=pull_config("kv_producer") | {"kv_port": port}))
