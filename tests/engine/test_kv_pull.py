@@ -6,15 +6,19 @@ or fail per kv_load_failure_policy. Block invariants on both engines after every
 at the end."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 
+from kvserve import LoRARequest
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.kv_transfer.connectors import pull_transport
 from kvserve.request import RequestStatus
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.helpers.kv_pull import assert_all_blocks_free, disaggregated, greedy, pull_config, step_all
+from tests.helpers.lora import ADAPTERS, make_adapter
 from tests.helpers.oracles import hf_greedy
 
 # block 4, 16 tokens a step: prompts are chunked on both sides; 5 and 6 share a prefix with 4 (a local hit on
@@ -279,3 +283,58 @@ def test_bad_configs_fail_at_start_up(tiny_llama):
     port = taken.core.kv_connector.side_channel[1]
     with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
         Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config=pull_config("kv_producer") | {"kv_port": port}))
+
+
+def test_producers_on_one_host_left_at_the_default_port(tiny_llama):
+    path, _ = tiny_llama
+    default = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    engines = [Engine(EngineArgs(model=path, **ENGINE, kv_transfer_config=default)) for _ in range(2)]
+    ports = {engine.core.kv_connector.side_channel[1] for engine in engines}
+    for engine in engines:
+        engine.shutdown()  # frees the ports
+    assert len(ports) == 2  # the second (or both, if a process holds 14579) took a free port
+
+
+def _fifty_requests(lora) -> list[tuple[str, list[int], SamplingParams, object]]:
+    """50 requests: groups sharing prefixes, prompts from 2 to 45 tokens (some repetitive, for ngram drafts),
+    every fifth with a LoRA adapter, every seventh constrained to a regex."""
+    out = []
+    for i in range(50):
+        group = list(range(400 + 50 * (i % 6), 400 + 50 * (i % 6) + 12 + 3 * (i % 4)))
+        tail = [7, 8, 9] * (i % 5) if i % 3 == 0 else list(range(1000 + i, 1000 + i + i % 11))
+        prompt = (group + tail)[:2 + (i * 7) % 44] if i % 10 == 9 else group + tail
+        structured = StructuredOutputsParams(regex="[a-z ]{1,12}") if i % 7 == 3 else None
+        params = SamplingParams(temperature=0, max_tokens=3 + i % 6, ignore_eos=structured is None,
+                                structured_outputs=structured)
+        out.append((str(i), prompt, params, lora if i % 5 == 1 else None))
+    return out
+
+
+def test_fifty_requests_with_lora_ngram_structured_outputs_and_preemption(tiny_llama, tmp_path):
+    """One engine's tokens (the other tests hold each feature to transformers), over a decode pool small enough
+    to preempt, with ngram speculation, a LoRA adapter and structured outputs."""
+    pytest.importorskip("peft")
+    path, hf = tiny_llama
+    make_adapter(hf, str(tmp_path / "adapter"), *ADAPTERS["attn"], seed=5)
+    lora = LoRARequest("attn", 1, str(tmp_path / "adapter"))
+    common = dict(model=path, block_size=4, max_num_batched_tokens=32, enable_lora=True, max_loras=2,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    reqs = _fifty_requests(lora)
+    one = Engine(EngineArgs(**common, num_gpu_blocks_override=256))
+    for req_id, prompt, params, adapter in reqs:
+        one.add_request(req_id, prompt, params, lora_request=adapter)
+    want = _tokens(step_all([one], None))
+    prefill = Engine(EngineArgs(**common, num_gpu_blocks_override=256, kv_transfer_config=pull_config("kv_producer")))
+    decode = Engine(EngineArgs(**common, num_gpu_blocks_override=40, kv_transfer_config=pull_config("kv_consumer")))
+    for req_id, prompt, params, adapter in reqs:
+        prefill.add_request(f"prefill-{req_id}", prompt, greedy(1, {"do_remote_decode": True}), lora_request=adapter)
+    answers = step_all([prefill], lambda d: len(d) == len(reqs))
+    for req_id, prompt, params, adapter in reqs:
+        params = dataclasses.replace(params, extra_args={
+            "kv_transfer_params": answers[f"prefill-{req_id}"].kv_transfer_params})
+        decode.add_request(req_id, prompt, params, lora_request=adapter)
+    got = _tokens({k: v for k, v in step_all([prefill, decode], None).items() if not k.startswith("prefill-")})
+    assert got == want
+    stats = decode.scheduler.stats
+    assert stats.num_preemptions > 0 and stats.num_external_hit_tokens > 0 and stats.num_kv_load_failures == 0
+    assert_all_blocks_free(prefill, decode)

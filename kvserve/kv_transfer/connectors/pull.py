@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config.engine import EngineConfig
+from kvserve.config.kv_transfer import KVTransferConfig
 from kvserve.core_types import KVConnectorOutput, SchedulerOutput
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
@@ -185,9 +186,21 @@ class PullConnector(KVConnectorBase_V1):
         self._served.kv_caches = kv_caches
         self._jobs.kv_caches = kv_caches
         if self.transfer.is_kv_producer and self._server is None:
-            self._server = BlockServer(self.transfer.kv_ip, self.transfer.kv_port, self._served.snapshot,
-                                       self._served.notified, wait_s=min(self.timeout_s, 30.0))
+            self._server = self._listen()
             logger.info("KV pull: serving KV blocks on %s:%d (TCP)", self._server.host, self._server.port)
+
+    def _listen(self) -> BlockServer:
+        host, port = self.transfer.kv_ip, self.transfer.kv_port
+        serve = dict(snapshot=self._served.snapshot, notified=self._served.notified, wait_s=min(self.timeout_s, 30.0))
+        try:
+            return BlockServer(host, port, **serve)
+        except ValueError:
+            if port != KVTransferConfig.kv_port:
+                raise
+            # NOTE: several producers on one host that all left kv_port at its default: the port is only ever
+            # read from kv_transfer_params, so any free one serves as well
+            logger.warning("KV pull: the default kv_port %d is taken; serving on a free port instead", port)
+            return BlockServer(host, 0, **serve)
 
     def get_handshake_metadata(self) -> dict | None:
         if self._server is None:
