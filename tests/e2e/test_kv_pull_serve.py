@@ -8,6 +8,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from tests.helpers.router import wait_until
 from tests.helpers.server import metric, start_server, stop_server, wait_idle
 

@@ -85,7 +85,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, cancelled: threadi
         sock.settimeout(min(left, 1.0))
         try:
             k = sock.recv_into(view[got:], min(n - got, _CHUNK))
-        except socket.timeout:
+        except TimeoutError:
             continue
         if k == 0:
             raise TransferError(f"connection closed after {got} of {n} bytes")

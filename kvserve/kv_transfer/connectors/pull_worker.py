@@ -151,7 +151,7 @@ class PullJobs:
             if not job.cancelled.is_set():
                 logger.warning("KV pull: request %s's KV from %s:%s (its request %s) failed: %s", spec.req_id,
                                spec.remote_host, spec.remote_port, spec.remote_request_id, e)
-        except Exception as e:  # noqa: BLE001 — a bug here must fail the request, not the thread silently
+        except Exception as e:  # a bug here must fail the request, not end the thread silently
             job.error = f"{type(e).__name__}: {e}"
             logger.exception("KV pull: request %s failed", spec.req_id)
         with self._lock:
