@@ -52,6 +52,9 @@ class KVConnectorBase_V1:
         """The worker side's tensor-parallel rank, whose KV heads it moves (every rank has a worker-side
         connector); set by the factory once the connector is built."""
         self.tp_size = config.parallel.tensor_parallel_size
+        self.tp_all_reduce = None
+        """kvserve's own: with tensor parallelism, the sum over ranks of a tensor (every rank calls it at the same
+        point), set on the worker side before register_kv_caches; None: one rank."""
         self._metadata: KVConnectorMetadata | None = None
 
     @classmethod

@@ -221,6 +221,8 @@ class Worker:
         if transfer is not None and transfer.kv_connector:
             connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, spec,
                                                             tp_rank=self.shard.rank)
+            if self.shard.size > 1:
+                connector.tp_all_reduce = self.shard.all_reduce
             connector.register_kv_caches(self.runner.kv_caches)
             self.runner.kv_connector = ConnectorStep(connector, self.runner.kv_caches, spec.num_blocks,
                                                      self.shard.all_reduce if self.shard.size > 1 else None)

@@ -273,8 +273,6 @@ def test_another_kv_layout_is_a_load_error(tiny_llama):
 
 def test_bad_configs_fail_at_start_up(tiny_llama):
     path, _ = tiny_llama
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        Engine(EngineArgs(model=path, tensor_parallel_size=2, kv_transfer_config=pull_config("kv_both")))
     with pytest.raises(ValueError, match="lease_s must be a positive number"):
         Engine(EngineArgs(model=path, kv_transfer_config=pull_config("kv_both", lease_s=0)))
     with pytest.raises(ValueError, match="'lease'"):

@@ -95,6 +95,7 @@ class MultiConnector(KVConnectorBase_V1):
     # ---- worker side -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list) -> None:
         for connector in self.connectors:
+            connector.tp_all_reduce = self.tp_all_reduce
             connector.register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self) -> dict | None:

@@ -36,6 +36,11 @@ class PullSpec:
     remote_host: str
     remote_port: int
     remote_request_id: str
+    remote_ports: tuple[int, ...] = ()
+    """Each tensor-parallel rank's side channel (rank r reads its heads from rank r); empty: remote_port + r."""
+
+    def port_for(self, rank: int) -> int:
+        return self.remote_ports[rank] if rank < len(self.remote_ports) else self.remote_port + rank
 
 
 class ServedBlocks:
@@ -100,10 +105,11 @@ class _Job:
 
 
 class PullJobs:
-    """The pulls in flight on this (decode) instance, each on its own thread."""
+    """The pulls in flight on this (decode) instance, each on its own thread; `rank` reads the same rank."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
+        self.rank = 0
         self.kv_caches: list = []
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -123,22 +129,19 @@ class PullJobs:
         if job is not None:
             job.cancelled.set()
 
-    def collect(self) -> tuple[set[str], set[int]]:
-        """(requests whose pull ended since the last call, the blocks of those that failed)."""
+    def collect(self) -> list[tuple[PullSpec, bool]]:
+        """The pulls that ended since the last call, each with whether it failed (a cancelled one did not)."""
         with self._lock:
             ended = [job for job in self._jobs.values() if job.done]
-        failed: set[int] = set()
         for job in ended:
             del self._jobs[job.spec.req_id]
-            if job.error is not None and not job.cancelled.is_set():
-                failed.update(job.spec.local_block_ids)
-        return {job.spec.req_id for job in ended}, failed
+        return [(job.spec, job.error is not None and not job.cancelled.is_set()) for job in ended]
 
     def _run(self, job: _Job) -> None:
         spec = job.spec
         start = time.monotonic()
         try:
-            num_bytes = pull_into(self.kv_caches, spec, start + self.timeout_s, job.cancelled)
+            num_bytes = pull_into(self.kv_caches, spec, start + self.timeout_s, job.cancelled, self.rank)
             seconds = time.monotonic() - start
             logger.debug("KV pull: request %s: %d blocks, %d bytes in %.3f s", spec.req_id,
                          len(spec.local_block_ids), num_bytes, seconds)
@@ -158,10 +161,10 @@ class PullJobs:
             job.done = True
 
 
-def pull_into(kv_caches: list, spec: PullSpec, deadline: float, cancelled: threading.Event) -> int:
-    """Read spec's blocks from the prefill instance into `kv_caches`, then tell it they were read; returns the
-    payload's bytes."""
-    sock = connect(spec.remote_host, spec.remote_port, deadline)
+def pull_into(kv_caches: list, spec: PullSpec, deadline: float, cancelled: threading.Event, rank: int = 0) -> int:
+    """Read spec's blocks from the prefill instance's rank `rank` into `kv_caches`, then tell it they were read;
+    returns the payload's bytes."""
+    sock = connect(spec.remote_host, spec.port_for(rank), deadline)
     try:
         if not spec.remote_block_ids:
             notify(sock, spec.remote_request_id, deadline)
@@ -193,3 +196,29 @@ def write_blocks(kv_caches: list, layers: list, payload: bytearray, local_block_
                 dest, src = dest.view(torch.uint8), src.view(torch.uint8)
             idx = torch.tensor(local_block_ids, dtype=torch.int64, device=dest.device)
             dest.index_copy_(0, idx, src.to(dest.device))
+
+
+class SlotKeys:
+    """Small integer keys for requests, the same on every tensor-parallel rank (every rank takes and releases
+    them in the same order, from the same metadata and the same agreements): a request's slot in the masks the
+    ranks sum to agree that it ended everywhere."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._free = list(range(size - 1, -1, -1))
+        self._keys: dict[str, int] = {}
+
+    def take(self, req_id: str) -> None:
+        if req_id not in self._keys:
+            if not self._free:
+                raise RuntimeError(f"more than {self.size} KV transfers in flight")
+            self._keys[req_id] = self._free.pop()
+
+    def __getitem__(self, req_id: str) -> int:
+        return self._keys[req_id]
+
+    def release(self, req_id: str) -> None:
+        key = self._keys.pop(req_id, None)
+        if key is not None:
+            self._free.append(key)
+            self._free.sort(reverse=True)
