@@ -92,7 +92,8 @@ class PullConnector(KVConnectorBase_V1):
         self.side_channel: tuple[str, int] | None = None
         """(host, port) the worker serves blocks on, from its handshake metadata (prefill side)."""
         self._rank_ports: list[int] = []
-        """Tensor parallelism: every rank's port (rank r serves its own heads)."""
+        """Every rank's side-channel port (rank r serves its own heads): the scheduler side's from the handshake,
+        the worker side's from the ranks' sum."""
         self._pending: dict[str, _Remote] = {}
         self._pulled: set[str] = set()  # requests whose remote KV was asked for: never twice
         self._inflight: set[str] = set()
@@ -101,7 +102,6 @@ class PullConnector(KVConnectorBase_V1):
         self._served = ServedBlocks(self.lease_s)
         self._jobs = PullJobs(self.timeout_s)
         self._server: BlockServer | None = None
-        self._rank_ports: list[int] = []
         self._device = None
         self._recv_keys = self._send_keys = None  # tensor parallelism: SlotKeys, the ranks' agreement
         self._recv_ended: dict[str, tuple[PullSpec, bool]] = {}
