@@ -149,22 +149,18 @@ def test_prefill_instance_gone_after_answering(tiny_llama, policy):
 
 
 def _faulty_send(monkeypatch, fault: str) -> None:
-    """The side channel drops (half a payload, then the connection) or corrupts (one byte) every read's answer."""
-    real = pull_transport.send_msg
+    """The side channel drops (half a block, then the connection) or corrupts (a byte of each block) every read."""
+    real = pull_transport.send_block
 
-    def send(sock, header, parts=()):
-        if not parts:
-            return real(sock, header, parts)
-        first = parts[0].clone()
-        flat = first.reshape(-1).view(__import__("torch").uint8)
+    def send(sock, data):
         if fault == "corrupt":
-            flat[len(flat) // 2] ^= 0xFF
-            return real(sock, header, [first, *parts[1:]])
-        real(sock, header, [])
-        sock.sendall(pull_transport._as_bytes(first)[:len(flat) // 2])
+            flipped = bytearray(data)
+            flipped[len(flipped) // 2] ^= 0xFF
+            return real(sock, memoryview(flipped))
+        real(sock, data[:len(data) // 2])
         raise OSError("the prefill instance died mid-transfer")
 
-    monkeypatch.setattr(pull_transport, "send_msg", send)
+    monkeypatch.setattr(pull_transport, "send_block", send)
 
 
 @pytest.mark.parametrize("fault", ["drop", "corrupt"])

@@ -12,8 +12,8 @@ import torch
 
 from kvserve.kv_cache.quant import QuantizedKVCache
 from kvserve.kv_transfer.connectors import pull_transport
-from kvserve.kv_transfer.connectors.pull_transport import BlockServer, TransferError, connect, read_blocks
-from kvserve.kv_transfer.connectors.pull_worker import PullSpec, ServedBlocks, pull_into, write_blocks
+from kvserve.kv_transfer.connectors.pull_transport import BlockServer, TransferError, connect
+from kvserve.kv_transfer.connectors.pull_worker import PullSpec, ServedBlocks, pull_into
 
 
 def _caches(dtype: torch.dtype, seed: int, num_layers: int = 3, num_blocks: int = 8) -> list:
@@ -38,7 +38,7 @@ def _parts(layer) -> list[torch.Tensor]:
 @pytest.fixture
 def served():
     blocks = ServedBlocks(lease_s=60)
-    server = BlockServer("127.0.0.1", 0, blocks.snapshot, blocks.notified, wait_s=0.2)
+    server = BlockServer("127.0.0.1", 0, blocks.begin_read, blocks.end_read, blocks.notified, wait_s=0.2)
     yield blocks, server
     server.close()
 
@@ -79,25 +79,34 @@ def test_refusals_name_their_reason(served):
         connect("127.0.0.1", 1, time.monotonic() + 5)
 
 
+def _pull(server, req_id: str, dest: list, cancelled: threading.Event | None = None) -> int:
+    return pull_into(dest, PullSpec("d", [0], [1], "127.0.0.1", server.port, req_id), time.monotonic() + 10,
+                     cancelled or threading.Event())
+
+
 def test_layout_mismatch_corruption_and_cancel(served, monkeypatch):
     blocks, server = served
     blocks.kv_caches = _caches(torch.float32, seed=1)
     blocks.add("r", [1])
     with pytest.raises(TransferError, match="layout"):
-        pull_into(_caches(torch.int8, 2), PullSpec("d", [0], [1], "127.0.0.1", server.port, "r"),
-                  time.monotonic() + 10, threading.Event())
-    blocks.add("r", [1])
-    with connect("127.0.0.1", server.port, time.monotonic() + 5) as sock:
-        layers, payload = read_blocks(sock, "r", [1], time.monotonic() + 5, None)
-    with pytest.raises(TransferError, match="payload shorter"):
-        write_blocks(_caches(torch.float32, 2), layers, payload[:-4], [0])
-    real = pull_transport.payload_checksum
-    monkeypatch.setattr(pull_transport, "payload_checksum", lambda parts: real(parts) ^ 1)
-    with connect("127.0.0.1", server.port, time.monotonic() + 5) as sock, pytest.raises(TransferError,
-                                                                                     match="checksum"):
-        read_blocks(sock, "r", [1], time.monotonic() + 5, None)
+        _pull(server, "r", _caches(torch.int8, 2))
+    assert blocks.finished() == {"r"}  # read to its end all the same: the prefill side frees it
+    real = pull_transport.send_block
+
+    def corrupt(sock, data):
+        flipped = bytearray(data)
+        flipped[len(flipped) // 2] ^= 0xFF
+        real(sock, memoryview(flipped))
+
+    monkeypatch.setattr(pull_transport, "send_block", corrupt)
+    blocks.add("r2", [1])
+    with pytest.raises(TransferError, match="checksum"):
+        _pull(server, "r2", _caches(torch.float32, 2))
+    assert blocks.finished() == {"r2"}
+    monkeypatch.setattr(pull_transport, "send_block", real)
     cancelled = threading.Event()
     cancelled.set()
-    with connect("127.0.0.1", server.port, time.monotonic() + 5) as sock, pytest.raises(TransferError,
-                                                                                     match="cancelled"):
-        read_blocks(sock, "r", [1], time.monotonic() + 5, cancelled)
+    blocks.add("r3", [1])
+    with pytest.raises(TransferError, match="cancelled"):
+        _pull(server, "r3", _caches(torch.float32, 2), cancelled)
+    assert blocks.finished() == set()  # not read: served until its lease

@@ -220,7 +220,9 @@ class PullConnector(KVConnectorBase_V1):
 
     def _listen(self) -> BlockServer:
         host, port = self.transfer.kv_ip, self.transfer.kv_port
-        serve = dict(snapshot=self._served.snapshot, notified=self._served.notified, wait_s=min(self.timeout_s, 30.0))
+        served = self._served
+        serve = dict(begin_read=served.begin_read, end_read=served.end_read, notified=served.notified,
+                     wait_s=min(self.timeout_s, 30.0))
         try:
             return BlockServer(host, port + self.tp_rank if port else 0, **serve)
         except ValueError:

@@ -1,13 +1,15 @@
 """The pull connector's TCP side channel: a prefill instance serves its finished requests' KV blocks, a decode
 instance reads them and then says it is done.
 
-Every message is a header (4-byte big-endian length, then JSON) and, for a read's answer, a payload of
-`nbytes` raw bytes. The ops:
-  {"op": "read", "request_id": R, "block_ids": [...]} -> {"ok": true, "layers": [[[name, dtype, shape], ...], ...],
-      "nbytes": N, "crc32": C} + payload: for each layer, each part (values, then scales of a quantized
-      cache), the blocks in the order asked, contiguous; or {"ok": false, "error": "..."}.
+Every message is a header: a 4-byte big-endian length, then JSON. The ops:
+  {"op": "read", "request_id": R, "block_ids": [...]} -> {"ok": true, "layers": [[[name, dtype, block shape], ...],
+      ...], "nbytes": N}, then N raw bytes: for each layer, each part (values, then scales of a quantized cache),
+      each block in the order asked; then {"crc32": C} over those bytes. Or {"ok": false, "error": "..."}.
   {"op": "notify", "request_id": R} -> {"ok": true}: the reader is done; the server drops R's blocks.
-One connection per transfer: a read, then (on the same connection) its notify.
+One connection per transfer: a read, then (on the same connection) its notify. Blocks go from the cache to the
+socket and from the socket into the cache with no copy in between (a block is contiguous in a block-first cache);
+the reader writes into blocks only its own parked request owns, so a transfer found corrupt at the end is simply
+a load error.
 """
 from __future__ import annotations
 
@@ -19,8 +21,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -34,48 +35,60 @@ MAX_HEADER_BYTES = 1 << 20
 class TransferError(Exception):
     """A transfer failed: unreachable, dropped, timed out, refused by the server, or corrupt."""
 
-
-@dataclass
-class Snapshot:
-    """What a read sends: the layers' layout and the payload's parts, copied out of the cache under the lock."""
-    layers: list[list[list]]
-    parts: list[torch.Tensor]
+    def __init__(self, message: str, *, read_whole: bool = False):
+        super().__init__(message)
+        self.read_whole = read_whole
+        """The answer was read to its end (the connection can still carry the notify)."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def layer_parts(kv_layer) -> list[tuple[str, torch.Tensor]]:
+    """One layer's cache as the wire names its parts: values, and the scales of a quantized cache."""
+    scales = getattr(kv_layer, "scales", None)
+    return [("values", kv_layer.values), ("scales", scales)] if scales is not None else [("values", kv_layer)]
 
 
-def snapshot_blocks(kv_caches: list, block_ids: list[int]) -> Snapshot:
-    """Copies of `block_ids` in every layer (values, and scales of a quantized cache), in the wire's order."""
-    layers, parts = [], []
-    for kv_layer in kv_caches:
-        scales = getattr(kv_layer, "scales", None)
-        named = [("values", kv_layer.values), ("scales", scales)] if scales is not None else [("values", kv_layer)]
-        desc = []
-        for name, tensor in named:
-            idx = torch.tensor(block_ids, dtype=torch.int64, device=tensor.device)
-            part = tensor.index_select(0, idx).to("cpu").contiguous()
-            desc.append([name, _dtype_name(tensor.dtype), list(tensor.shape[1:])])
-            parts.append(part)
-        layers.append(desc)
-    return Snapshot(layers, parts)
+def layout(kv_caches: list) -> list[list[list]]:
+    return [[[name, str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for name, t in layer_parts(layer)]
+            for layer in kv_caches]
+
+
+def block_views(kv_caches: list, block_ids: list[int]) -> Iterator[torch.Tensor]:
+    """Each block of each part of each layer, in the wire's order (views into the cache)."""
+    for layer in kv_caches:
+        for _, tensor in layer_parts(layer):
+            for b in block_ids:
+                yield tensor[b]
+
+
+def payload_bytes(kv_caches: list, num_blocks: int) -> int:
+    return sum(t[0].numel() * t.element_size() for layer in kv_caches for _, t in layer_parts(layer)) * num_blocks
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy for a contiguous CPU tensor."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def send_msg(sock: socket.socket, header: dict, parts: list[torch.Tensor] = ()) -> None:
+def send_msg(sock: socket.socket, header: dict) -> None:
     data = json.dumps(header).encode()
     sock.sendall(_LEN.pack(len(data)) + data)
-    for part in parts:
-        sock.sendall(_as_bytes(part))
+
+
+def send_block(sock: socket.socket, data: memoryview) -> None:
+    """One block's bytes (a seam of its own: the fault tests drop or corrupt them here)."""
+    sock.sendall(data)
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float, cancelled: threading.Event | None) -> bytearray:
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    _recv_into(sock, memoryview(buf), deadline, cancelled)
+    return buf
+
+
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float, cancelled: threading.Event | None) -> None:
+    n, got = len(view), 0
     while got < n:
         if cancelled is not None and cancelled.is_set():
             raise TransferError("cancelled")
@@ -90,7 +103,6 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, cancelled: threadi
         if k == 0:
             raise TransferError(f"connection closed after {got} of {n} bytes")
         got += k
-    return buf
 
 
 def recv_msg(sock: socket.socket, deadline: float, cancelled: threading.Event | None = None) -> dict:
@@ -100,24 +112,16 @@ def recv_msg(sock: socket.socket, deadline: float, cancelled: threading.Event | 
     return json.loads(bytes(_recv_exact(sock, length, deadline, cancelled)))
 
 
-def payload_checksum(parts: list[torch.Tensor]) -> int:
-    """CRC-32 of the payload: it is there to catch a corrupt or truncated transfer, not a forger, and a CRC costs
-    less than a cryptographic hash on a long prompt's megabytes."""
-    crc = 0
-    for part in parts:
-        crc = zlib.crc32(_as_bytes(part), crc)
-    return crc
-
-
 class BlockServer:
-    """Serves reads of registered requests' blocks from a background thread. `snapshot(request_id, block_ids)`
-    copies the blocks out (or raises KeyError: not served); `notified(request_id)` is called when the reader
-    is done. `wait_s`: how long a read waits for its request to be registered (the prefill engine registers
-    it at the step after the request finished, and the answer may reach the reader first)."""
+    """Serves reads of registered requests' blocks from a background thread. `begin_read(request_id, block_ids)`
+    returns the KV caches to read them from (raises KeyError: not registered yet, TransferError: not served) and
+    keeps them served until `end_read(request_id)`; `notified(request_id)` is called when the reader is done.
+    `wait_s`: how long a read waits for its request to be registered (the prefill engine registers it at the step
+    after the request finished, and the answer may reach the reader first)."""
 
-    def __init__(self, host: str, port: int, snapshot: Callable[[str, list[int]], Snapshot],
-                 notified: Callable[[str], None], wait_s: float):
-        self.snapshot, self.notified, self.wait_s = snapshot, notified, wait_s
+    def __init__(self, host: str, port: int, begin_read: Callable[[str, list[int]], list],
+                 end_read: Callable[[str], None], notified: Callable[[str], None], wait_s: float):
+        self.begin_read, self.end_read, self.notified, self.wait_s = begin_read, end_read, notified, wait_s
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -158,7 +162,7 @@ class BlockServer:
         deadline = time.monotonic() + self.wait_s
         while True:
             try:
-                snap = self.snapshot(request_id, block_ids)
+                kv_caches = self.begin_read(request_id, block_ids)
                 break
             except TransferError as e:
                 send_msg(sock, {"ok": False, "error": str(e)})
@@ -168,9 +172,17 @@ class BlockServer:
                     send_msg(sock, {"ok": False, "error": str(e.args[0])})
                     return
                 time.sleep(0.005)
-        header = {"ok": True, "layers": snap.layers, "nbytes": sum(p.numel() * p.element_size() for p in snap.parts),
-                  "crc32": payload_checksum(snap.parts)}
-        send_msg(sock, header, snap.parts)
+        try:
+            send_msg(sock, {"ok": True, "layers": layout(kv_caches),
+                            "nbytes": payload_bytes(kv_caches, len(block_ids))})
+            crc = 0
+            for block in block_views(kv_caches, block_ids):
+                data = _as_bytes(block)
+                crc = zlib.crc32(data, crc)
+                send_block(sock, data)
+            send_msg(sock, {"crc32": crc})
+        finally:
+            self.end_read(request_id)
 
     def close(self) -> None:
         self._tcp.shutdown()
@@ -189,20 +201,52 @@ def connect(host: str, port: int, deadline: float) -> socket.socket:
     return sock
 
 
-def read_blocks(sock: socket.socket, request_id: str, block_ids: list[int], deadline: float,
-                cancelled: threading.Event | None) -> tuple[list, bytearray]:
-    """(layers' layout, payload) of one read, its checksum verified."""
+def read_into(sock: socket.socket, request_id: str, remote_block_ids: list[int], kv_caches: list,
+              local_block_ids: list[int], deadline: float, cancelled: threading.Event | None) -> int:
+    """Read the remote blocks straight into `local_block_ids` of `kv_caches`; returns the payload's bytes. The
+    CRC-32 (a corrupt or truncated transfer, not a forger: cheaper than a cryptographic hash on a long prompt's
+    megabytes) is checked at the end, so a TransferError may leave those blocks half written."""
     try:
-        send_msg(sock, {"op": "read", "request_id": request_id, "block_ids": block_ids})
+        send_msg(sock, {"op": "read", "request_id": request_id, "block_ids": remote_block_ids})
         header = recv_msg(sock, deadline, cancelled)
         if not header.get("ok"):
             raise TransferError(f"the prefill instance refused: {header.get('error')}")
-        payload = _recv_exact(sock, int(header["nbytes"]), deadline, cancelled)
+        nbytes = int(header["nbytes"])
+        mine = layout(kv_caches)
+        if header["layers"] != mine or nbytes != payload_bytes(kv_caches, len(local_block_ids)):
+            _drain(sock, nbytes, deadline, cancelled)  # so that the notify that follows is read
+            raise TransferError(f"the prefill instance's KV cache layout {header['layers'][:1]} (first layer of "
+                                f"{len(header['layers'])}) is not this instance's {mine[:1]} (of {len(mine)}): same "
+                                "model, block size and kv_cache_dtype on both sides?", read_whole=True)
+        crc = 0
+        for dest in block_views(kv_caches, local_block_ids):
+            crc = _recv_block(sock, dest, crc, deadline, cancelled)
+        trailer = recv_msg(sock, deadline, cancelled)
     except OSError as e:
         raise TransferError(f"connection lost: {e.strerror or e}") from None
-    if zlib.crc32(payload) != header.get("crc32"):
-        raise TransferError("checksum mismatch (the transfer is corrupt)")
-    return header["layers"], payload
+    if trailer.get("crc32") != crc:
+        raise TransferError("checksum mismatch (the transfer is corrupt)", read_whole=True)
+    return nbytes
+
+
+def _recv_block(sock: socket.socket, dest: torch.Tensor, crc: int, deadline: float,
+                cancelled: threading.Event | None) -> int:
+    direct = dest.device.type == "cpu" and dest.is_contiguous()
+    staging = dest if direct else torch.empty(dest.shape, dtype=dest.dtype)
+    view = memoryview(staging.reshape(-1).view(torch.uint8).numpy())
+    _recv_into(sock, view, deadline, cancelled)
+    if not direct:
+        dest.copy_(staging)
+    return zlib.crc32(view, crc)
+
+
+def _drain(sock: socket.socket, nbytes: int, deadline: float, cancelled: threading.Event | None) -> None:
+    scratch = memoryview(bytearray(min(nbytes, _CHUNK) or 1))
+    while nbytes > 0:
+        n = min(nbytes, len(scratch))
+        _recv_into(sock, scratch[:n], deadline, cancelled)
+        nbytes -= n
+    recv_msg(sock, deadline, cancelled)
 
 
 def notify(sock: socket.socket, request_id: str, deadline: float) -> None:
@@ -212,24 +256,3 @@ def notify(sock: socket.socket, request_id: str, deadline: float) -> None:
         recv_msg(sock, min(deadline, time.monotonic() + 5.0))
     except (OSError, TransferError) as e:
         logger.warning("KV pull: could not tell the prefill instance that request %s was read: %s", request_id, e)
-
-
-def split_payload(layers: list, payload: bytearray, num_blocks: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """The payload as tensors, per layer: [(part name, [num_blocks, *block shape])]."""
-    out, offset = [], 0
-    for desc in layers:
-        parts = []
-        for name, dtype_name, shape in desc:
-            dtype = getattr(torch, dtype_name, None)
-            if not isinstance(dtype, torch.dtype):
-                raise TransferError(f"unknown dtype {dtype_name!r}")
-            count = num_blocks * int(torch.Size(shape).numel()) * dtype.itemsize
-            if offset + count > len(payload):
-                raise TransferError("payload shorter than its layout")
-            raw = torch.frombuffer(payload, dtype=torch.uint8, count=count, offset=offset)
-            parts.append((name, raw.view(dtype).view(num_blocks, *shape)))
-            offset += count
-        out.append(parts)
-    if offset != len(payload):
-        raise TransferError("payload longer than its layout")
-    return out

@@ -1,10 +1,10 @@
 """The pull connector's worker side: the blocks this instance serves (prefill) and the pulls it runs (decode).
 
-Serving: a finished request's blocks are registered with a lease; the side channel's thread copies them out
-under a lock, so once the main thread has reported a request as sent (read and notified, or its lease expired)
-no read touches its blocks again and the scheduler may hand them out. Pulling: one background thread per
-request reads its blocks, checks the checksum and the layout, writes them into the blocks the scheduler
-allocated for it (no one else reads or writes those until it resumes) and then tells the server it is done.
+Serving: a finished request's blocks are registered with a lease; the side channel's threads send them straight
+from the cache, and a request is reported sent (read and notified, or its lease expired) only while no read of it
+is in progress, so once the scheduler may hand its blocks out no read touches them again. Pulling: one background
+thread per request checks the layout, reads the blocks straight into the ones the scheduler allocated for it (no
+one else reads or writes those until it resumes), checks the checksum and then tells the server it is done.
 A finished pull is reported at the next step's start, so that its failed blocks and its completion reach the
 scheduler in the same step's output.
 """
@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kv_transfer.connectors.pull_transport import (Snapshot, TransferError, connect, notify, read_blocks,
-                                                           snapshot_blocks, split_payload)
+from kvserve.kv_transfer.connectors.pull_transport import TransferError, connect, notify, read_into
 
 logger = logging.getLogger("kvserve")
 
@@ -43,52 +42,75 @@ class PullSpec:
         return self.remote_ports[rank] if rank < len(self.remote_ports) else self.remote_port + rank
 
 
+@dataclass
+class _Served:
+    block_ids: frozenset[int]
+    deadline: float
+    readers: int = 0
+    """Reads in progress: the blocks stay served (the lease waits) until they end."""
+    read: bool = False
+    """The reader said it is done."""
+
+
 class ServedBlocks:
     """Requests whose blocks this (prefill) instance serves, each until its reader says it is done or its lease
-    expires."""
+    expires, and no read of it is in progress."""
 
     def __init__(self, lease_s: float):
         self.lease_s = lease_s
         self.kv_caches: list = []
         self._lock = threading.Lock()
-        self._served: dict[str, tuple[frozenset[int], float]] = {}
+        self._served: dict[str, _Served] = {}
         self._done: set[str] = set()
         self._gone: OrderedDict[str, str] = OrderedDict()  # why a request is no longer served, for readers
 
     def add(self, req_id: str, block_ids: list[int]) -> None:
         with self._lock:
-            self._served[req_id] = (frozenset(block_ids), time.monotonic() + self.lease_s)
+            self._served[req_id] = _Served(frozenset(block_ids), time.monotonic() + self.lease_s)
 
-    def snapshot(self, req_id: str, block_ids: list[int]) -> Snapshot:
-        """Copies of the blocks. KeyError: not registered yet; TransferError: no longer served, or not its blocks."""
+    def begin_read(self, req_id: str, block_ids: list[int]) -> list:
+        """The caches to read the blocks from, served until end_read. KeyError: not registered yet; TransferError:
+        no longer served, or not its blocks."""
         with self._lock:
             entry = self._served.get(req_id)
-            if entry is None:
-                if req_id in self._gone:
-                    raise TransferError(f"request {req_id} is no longer served here ({self._gone[req_id]})")
+            if entry is None or entry.read:
+                if req_id in self._gone or entry is not None:
+                    raise TransferError(f"request {req_id} is no longer served here "
+                                        f"({self._gone.get(req_id, 'already read')})")
                 raise KeyError(f"request {req_id} is not served here (unknown request id)")
-            if not entry[0].issuperset(block_ids):
-                raise TransferError(f"blocks {sorted(set(block_ids) - entry[0])} are not request {req_id}'s")
-            return snapshot_blocks(self.kv_caches, block_ids)
+            if not entry.block_ids.issuperset(block_ids):
+                raise TransferError(f"blocks {sorted(set(block_ids) - entry.block_ids)} are not request {req_id}'s")
+            entry.readers += 1
+            return self.kv_caches
+
+    def end_read(self, req_id: str) -> None:
+        with self._lock:
+            self._served[req_id].readers -= 1
 
     def notified(self, req_id: str) -> None:
         with self._lock:
-            if self._served.pop(req_id, None) is not None:
-                self._done.add(req_id)
-                self._forget(req_id, "already read")
+            entry = self._served.get(req_id)
+            if entry is not None:
+                entry.read = True
 
     def finished(self) -> set[str]:
         """Requests whose blocks are no longer read (read, or their lease expired) since the last call."""
         now = time.monotonic()
         with self._lock:
-            expired = [r for r, (_, deadline) in self._served.items() if deadline <= now]
-            for req_id in expired:
+            done = []
+            for req_id, entry in self._served.items():
+                if entry.readers:
+                    continue
+                if entry.read:
+                    done.append((req_id, "already read"))
+                elif entry.deadline <= now:
+                    done.append((req_id, f"its lease of {self.lease_s:g} s expired"))
+                    logger.warning("KV pull: no decode instance read request %s's blocks within its lease (%g s); "
+                                   "freeing them", req_id, self.lease_s)
+            for req_id, why in done:
                 del self._served[req_id]
-                self._forget(req_id, f"its lease of {self.lease_s:g} s expired")
-                logger.warning("KV pull: no decode instance read request %s's blocks within its lease (%g s); "
-                               "freeing them", req_id, self.lease_s)
-            done, self._done = self._done | set(expired), set()
-        return done
+                self._forget(req_id, why)
+        return {req_id for req_id, _ in done}
 
     def _forget(self, req_id: str, why: str) -> None:
         self._gone[req_id] = why
@@ -169,33 +191,17 @@ def pull_into(kv_caches: list, spec: PullSpec, deadline: float, cancelled: threa
         if not spec.remote_block_ids:
             notify(sock, spec.remote_request_id, deadline)
             return 0
-        layers, payload = read_blocks(sock, spec.remote_request_id, spec.remote_block_ids, deadline, cancelled)
         try:
-            write_blocks(kv_caches, layers, payload, spec.local_block_ids)
-        finally:  # read completely (even if unusable): the prefill instance may free its blocks
-            notify(sock, spec.remote_request_id, deadline)
-        return len(payload)
+            nbytes = read_into(sock, spec.remote_request_id, spec.remote_block_ids, kv_caches, spec.local_block_ids,
+                               deadline, cancelled)
+        except TransferError as e:
+            if e.read_whole:  # unusable, but read to its end: the prefill side may free them
+                notify(sock, spec.remote_request_id, deadline)
+            raise
+        notify(sock, spec.remote_request_id, deadline)
+        return nbytes
     finally:
         sock.close()
-
-
-def write_blocks(kv_caches: list, layers: list, payload: bytearray, local_block_ids: list[int]) -> None:
-    if len(layers) != len(kv_caches):
-        raise TransferError(f"the prefill instance's model has {len(layers)} layers' KV, this one {len(kv_caches)}")
-    received = split_payload(layers, payload, len(local_block_ids))
-    for kv_layer, parts in zip(kv_caches, received):
-        scales = getattr(kv_layer, "scales", None)
-        dests = [("values", kv_layer.values), ("scales", scales)] if scales is not None else [("values", kv_layer)]
-        want = [(n, t.dtype, tuple(t.shape[1:])) for n, t in dests]
-        got = [(n, t.dtype, tuple(t.shape[1:])) for n, t in parts]
-        if want != got:
-            raise TransferError(f"the prefill instance's KV cache layout {got} is not this instance's {want} (same "
-                                "model, block size and kv_cache_dtype on both sides?)")
-        for (_, dest), (_, src) in zip(dests, parts):
-            if dest.dtype.is_floating_point and dest.element_size() == 1:  # fp8 has no index_copy_: same bytes
-                dest, src = dest.view(torch.uint8), src.view(torch.uint8)
-            idx = torch.tensor(local_block_ids, dtype=torch.int64, device=dest.device)
-            dest.index_copy_(0, idx, src.to(dest.device))
 
 
 class SlotKeys:
