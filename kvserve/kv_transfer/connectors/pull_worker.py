@@ -16,7 +16,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-
 from kvserve.kv_transfer.connectors.pull_transport import TransferError, connect, notify, read_into
 
 logger = logging.getLogger("kvserve")
