@@ -15,6 +15,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    """Admitted with its blocks, which a KV connector fills asynchronously (a remote prefill's KV); it resumes
+    once the connector reports them loaded."""
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass, field
 
 from kvserve.config.engine import EngineConfig
@@ -28,6 +29,9 @@ from kvserve.scheduler.step_cost import OnlineStepCost
 from kvserve.spec_decode.policy import DraftLengthPolicy
 from kvserve.structured_output.manager import StructuredOutputManager
 from kvserve.worker.executor import make_executor
+
+_TRANSFER_POLL_S = 0.005
+"""How long an idle step waits while only KV transfers are in flight (they finish on their own threads)."""
 
 logger = logging.getLogger("kvserve")
 
@@ -73,6 +77,7 @@ class EngineCore:
         """--kv-transfer-config: the scheduler-side KV connector (kv_transfer/); the worker holds its twin."""
         if transfer is not None and transfer.kv_connector:
             self.kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, self.kv_spec)
+            self.kv_connector.set_xfer_handshake_metadata(self.executor.kv_connector_handshake_metadata())
         window = config.kv_release_window
         if window is not None:
             num_blocks -= 1  # the cache's last block is the manager's null block (released table entries)
@@ -167,6 +172,8 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and self.scheduler.has_compiling_requests:
             self.scheduler.structured.wait_for_compiles(timeout=0.05)  # rather than spin on an idle step
+        elif sched_out.is_empty and self.scheduler.waits_for_kv_transfer:
+            time.sleep(_TRANSFER_POLL_S)  # the transfers run on their own threads; an idle step only polls them
         runner_out = self.executor.execute_model(sched_out)
         outputs = self.scheduler.update(sched_out, runner_out)
         aborted, self._aborted = self._aborted, []

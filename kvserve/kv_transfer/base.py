@@ -12,8 +12,9 @@ Order of the calls, each step:
              -> save_kv_layer (each layer) -> wait_for_save -> get_finished / get_block_ids_with_load_errors
              -> clear_connector_metadata.
 NOTE: kvserve calls the per-layer hooks around the forward pass, not from inside each attention layer: the
-loads are synchronous (load_async is never True for the connectors here) and the saves read the finished
-cache, so a connector sees the same calls in the same order, only not interleaved with the layers.
+local stores' loads are synchronous and the saves read the finished cache, so a connector sees the same calls in
+the same order, only not interleaved with the layers. An asynchronous load (load_async, the pull connector) parks
+its request (WAITING_FOR_REMOTE_KVS) holding its blocks until the worker reports it in finished_recving.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config.engine import EngineConfig
-from kvserve.core_types import SchedulerOutput
+from kvserve.core_types import KVConnectorOutput, SchedulerOutput
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.request import Request
 
@@ -51,6 +52,9 @@ class KVConnectorBase_V1:
         """The worker side's tensor-parallel rank, whose KV heads it moves (every rank has a worker-side
         connector); set by the factory once the connector is built."""
         self.tp_size = config.parallel.tensor_parallel_size
+        self.tp_all_reduce = None
+        """kvserve's own: with tensor parallelism, the sum over ranks of a tensor (every rank calls it at the same
+        point), set on the worker side before register_kv_caches; None: one rank."""
         self._metadata: KVConnectorMetadata | None = None
 
     @classmethod
@@ -70,6 +74,12 @@ class KVConnectorBase_V1:
         """This step's instructions for the worker side; resets what was handed over."""
         return KVConnectorMetadata()
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """What the worker side reported this step (finished sends and loads), before the scheduler acts on it."""
+
+    def set_xfer_handshake_metadata(self, metadata: dict | None) -> None:
+        """The worker side's get_handshake_metadata (where its side channel listens), once the engine started."""
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The request finished (or was aborted). Returns (delay_free: the connector still reads its blocks and
         will report it in finished_sending, kv_transfer_params for the response)."""
@@ -78,6 +88,10 @@ class KVConnectorBase_V1:
     # ---- worker side --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list) -> None:
         """The worker's per-layer caches (a tensor, or a QuantizedKVCache of values and scales), block first."""
+
+    def get_handshake_metadata(self) -> dict | None:
+        """What the scheduler side must know of this worker side (a side channel's address); None: nothing."""
+        return None
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         self._metadata = metadata

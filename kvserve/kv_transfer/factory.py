@@ -22,6 +22,8 @@ class KVConnectorFactory:
         "ExampleConnector": f"{_PKG}.shared_storage:SharedStorageConnector",
         "OffloadingConnector": f"{_PKG}.offloading:OffloadingConnector",
         "MultiConnector": f"{_PKG}.multi:MultiConnector",
+        "PullConnector": f"{_PKG}.pull:PullConnector",
+        "NixlConnector": f"{_PKG}.pull:PullConnector",
     }
 
     @classmethod

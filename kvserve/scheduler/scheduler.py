@@ -22,7 +22,7 @@ from kvserve.scheduler.chunking import ChunkSizer, observe_step_cost
 from kvserve.scheduler.core_output import core_output
 from kvserve.scheduler.diff import WorkerView, decodes_first
 from kvserve.scheduler.grammar import add_grammar_bitmask, advance_grammar, attach_grammar, valid_drafts
-from kvserve.scheduler.kv_connector import external_hit, first_invalid_block, load_error_message
+from kvserve.scheduler.kv_connector import RemoteLoads, external_hit, first_invalid_block, load_error_message
 from kvserve.scheduler.policy import WaitingOrder
 from kvserve.scheduler.static_batch import StaticBatch
 from kvserve.scheduler.stats import SchedulerStats
@@ -64,6 +64,8 @@ class Scheduler:
         self.kv_held: dict[str, Request] = {}
         """Finished requests whose blocks the KV connector still reads (request_finished's delay_free): freed when
         the worker reports them in finished_sending."""
+        self.remote = RemoteLoads()
+        """Requests whose KV the connector loads asynchronously (WAITING_FOR_REMOTE_KVS)."""
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request, wait_for: Request | None = None) -> None:
@@ -84,6 +86,8 @@ class Scheduler:
         req.error = error
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.remote.remove(req)
         else:
             self.waiting.remove(req)
         req.status = status
@@ -112,6 +116,11 @@ class Scheduler:
     def has_held_blocks(self) -> bool:
         """Finished requests' blocks wait for the KV connector (the engine keeps stepping until it reports)."""
         return bool(self.kv_held)
+
+    @property
+    def waits_for_kv_transfer(self) -> bool:
+        """Some blocks wait for the KV connector's background transfers (sends or loads)."""
+        return bool(self.kv_held) or bool(self.remote.loading)
 
     @property
     def has_compiling_requests(self) -> bool:
@@ -189,15 +198,21 @@ class Scheduler:
         """Admit waiting requests from the head of the queue while the gates, the budget and the pool allow."""
         cfg, admitted = self.config, []
         loras = running_loras(self.running)
+        budget = self._resume_loaded(sizer, budget, scheduled, admitted, loras)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             if not self.gates.admits(req, loras):
                 break
             computed = self.kv.get_computed_blocks(req)
             num_hit = len(computed) * self.kv.block_size
-            num_external = 0 if self.connector is None else external_hit(self.connector, req, num_hit)
+            num_external, load_async = (0, False) if self.connector is None else external_hit(self.connector, req,
+                                                                                              num_hit)
             if num_external is None:
                 break  # the connector does not know yet; FCFS: it stays at the head
+            if load_async:
+                if not self._park(req, computed, num_hit, num_external):
+                    break
+                continue
             num_new = req.num_tokens - num_hit - num_external
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
@@ -212,18 +227,74 @@ class Scheduler:
                 self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), num_external)
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:  # first admission, not a resumption
-                req.num_cached_tokens = num_hit + num_external
-                self.stats.num_external_hit_tokens += num_external
-                req.metrics.first_scheduled_time = time.monotonic()
-                self.stats.record_admission(req.num_prompt_tokens, num_hit)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if req.lora_int_id:
-                loras.add(req.lora_int_id)
-            admitted.append(req)
-            scheduled.append((req, num_new))
+                self._record_admission(req, num_hit, num_external)
+            self._start_running(req, num_new, scheduled, admitted, loras)
             budget -= num_new
         return admitted
+
+    def _start_running(self, req: Request, num_new: int, scheduled: list[tuple[Request, int]],
+                       admitted: list[Request], loras: set[int]) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if req.lora_int_id:
+            loras.add(req.lora_int_id)
+        admitted.append(req)
+        scheduled.append((req, num_new))
+
+    def _record_admission(self, req: Request, num_hit: int, num_external: int) -> None:
+        req.num_cached_tokens = num_hit + num_external
+        self.stats.num_external_hit_tokens += num_external
+        req.metrics.first_scheduled_time = time.monotonic()
+        self.stats.record_admission(req.num_prompt_tokens, num_hit)
+
+    def _park(self, req: Request, computed, num_hit: int, num_external: int) -> bool:
+        """Admit the head of the queue with blocks for its whole prompt while the connector loads its
+        `num_external` tokens in the background (WAITING_FOR_REMOTE_KVS); False: the pool is short."""
+        req.num_computed_tokens = num_hit
+        if not allocate_for_admission(self.kv, req, req.num_tokens - num_hit, computed, nothing_runs=not self.running):
+            req.num_computed_tokens = 0
+            return False
+        self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), num_external)
+        self.waiting.popleft()
+        if req.status == RequestStatus.WAITING:
+            self._record_admission(req, num_hit, num_external)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.remote.loading[req.request_id] = (req, num_external)
+        return True
+
+    def _resume_loaded(self, sizer: ChunkSizer, budget: int, scheduled: list[tuple[Request, int]],
+                       admitted: list[Request], loras: set[int]) -> int:
+        """Requests whose remote KV arrived run first (a prefix hit): they hold their prompt's blocks already.
+        Returns the budget left."""
+        cfg = self.config
+        while self.remote.ready and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.remote.ready[0]
+            num_left = req.num_tokens - req.num_computed_tokens
+            if not self.gates.lora_fits(req, loras) or (not cfg.enable_chunked_prefill and num_left > budget):
+                break
+            num_new = sizer.size(req.num_computed_tokens, num_left, budget)
+            if num_new == 0 or not self.kv.allocate_slots(req, num_new):
+                break
+            self.remote.ready.popleft()
+            self._start_running(req, num_new, scheduled, admitted, loras)
+            budget -= num_new
+        return budget
+
+    def _kv_transfers_done(self, kv_out, outputs: list[EngineCoreOutput], now: float) -> None:
+        """Free what finished sends (and stopped loads of finished requests) held; resume loaded requests."""
+        self.connector.update_connector_output(kv_out)
+        for req_id in kv_out.finished_sending | kv_out.finished_recving:
+            held = self.kv_held.pop(req_id, None)
+            if held is not None:
+                self.kv.free(held, finished=True)
+        for req_id in kv_out.finished_recving:
+            entry = self.remote.loading.pop(req_id, None)
+            if entry is None:
+                continue
+            req, num_loaded = entry
+            req.num_computed_tokens += num_loaded
+            if not self._failed_load(req, kv_out.invalid_block_ids, outputs, now) or not req.is_finished:
+                self.remote.ready.append(req)
 
     def _hold_back_compiling(self) -> list[Request]:
         """Requests whose grammar still compiles sit out this step's admissions; failed grammars fail theirs."""
@@ -262,10 +333,8 @@ class Scheduler:
         outputs = []
         kv_out = runner_out.kv_connector_output
         invalid = kv_out.invalid_block_ids if kv_out is not None else set()
-        for req_id in kv_out.finished_sending if kv_out is not None else ():
-            held = self.kv_held.pop(req_id, None)
-            if held is not None:
-                self.kv.free(held, finished=True)
+        if kv_out is not None:
+            self._kv_transfers_done(kv_out, outputs, now)
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None:  # aborted between schedule and update
@@ -350,10 +419,13 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Block accounting (see KVCacheManager.check_invariants) plus queue membership."""
         self.kv.check_invariants(self.requests, held=self.kv_held)
-        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        parked = self.remote.requests()
+        ids = [r.request_id for r in self.running + list(self.waiting) + parked]
         assert len(ids) == len(set(ids)) == len(self.requests), "a request is queued twice or lost"
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
+        for r in parked:
+            assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"parked {r.request_id} is {r.status}"
         self.gates.check_invariants(self.running)
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)

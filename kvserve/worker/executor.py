@@ -33,8 +33,11 @@ class UniprocExecutor:
         """Seconds the driver's worker spent loading, by phase (weights, kernels, kv cache, warm-up)."""
         return dict(self.worker.startup.seconds)
 
+    def kv_connector_handshake_metadata(self) -> dict | None:
+        return self.worker.kv_connector_handshake_metadata()
+
     def shutdown(self) -> None:
-        pass
+        self.worker.shutdown_kv_connector()
 
 
 def make_executor(config: EngineConfig):

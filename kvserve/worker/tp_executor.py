@@ -62,6 +62,10 @@ class DriverCalls:
         """Seconds the driver's worker spent loading, by phase (weights, kernels, kv cache, warm-up)."""
         return dict(self.worker.startup.seconds)
 
+    def kv_connector_handshake_metadata(self) -> dict | None:
+        """The driver's (rank 0's); the connectors that need one refuse tensor parallelism for now."""
+        return self.worker.kv_connector_handshake_metadata()
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self._failed is not None:
             raise TensorParallelError(self._failed)

@@ -221,6 +221,8 @@ class Worker:
         if transfer is not None and transfer.kv_connector:
             connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, spec,
                                                             tp_rank=self.shard.rank)
+            if self.shard.size > 1:
+                connector.tp_all_reduce = self.shard.all_reduce
             connector.register_kv_caches(self.runner.kv_caches)
             self.runner.kv_connector = ConnectorStep(connector, self.runner.kv_caches, spec.num_blocks,
                                                      self.shard.all_reduce if self.shard.size > 1 else None)
@@ -269,6 +271,16 @@ class Worker:
         draft_spec = self.kv_cache_spec(num_blocks, self.draft_model)
         pool = KVPool.allocate(draft_spec, self.backend, self.device)
         return DraftModelProposer(self.draft_model, self.backend, pool.layers, draft_spec.block_size, self.device)
+
+    def kv_connector_handshake_metadata(self) -> dict | None:
+        """What the scheduler-side KV connector must know of this worker's (its side channel); None: none."""
+        step = None if self.runner is None else self.runner.kv_connector
+        return None if step is None else step.connector.get_handshake_metadata()
+
+    def shutdown_kv_connector(self) -> None:
+        step = None if self.runner is None else self.runner.kv_connector
+        if step is not None:
+            step.connector.shutdown()
 
     def step_cost_knee(self) -> int:
         """Step tokens up to which a step of this model costs more per token (layers/quant step_cost_knee; 0:

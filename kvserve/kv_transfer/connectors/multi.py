@@ -11,7 +11,7 @@ from typing import Any
 
 from kvserve.config.engine import EngineConfig
 from kvserve.config.kv_transfer import KVTransferConfig
-from kvserve.core_types import SchedulerOutput
+from kvserve.core_types import KVConnectorOutput, SchedulerOutput
 from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvserve.kv_transfer.extra_config import check_extra_keys
@@ -74,6 +74,14 @@ class MultiConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MultiKVConnectorMetadata:
         return MultiKVConnectorMetadata(tuple(c.build_connector_meta(scheduler_output) for c in self.connectors))
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for connector in self.connectors:
+            connector.update_connector_output(connector_output)
+
+    def set_xfer_handshake_metadata(self, metadata: dict | None) -> None:
+        for connector, meta in zip(self.connectors, (metadata or {}).get("connectors", [None] * len(self.connectors))):
+            connector.set_xfer_handshake_metadata(meta)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._chosen.pop(request.request_id, None)
         delay, params = False, None
@@ -87,7 +95,12 @@ class MultiConnector(KVConnectorBase_V1):
     # ---- worker side -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list) -> None:
         for connector in self.connectors:
+            connector.tp_all_reduce = self.tp_all_reduce
             connector.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> dict | None:
+        metas = [c.get_handshake_metadata() for c in self.connectors]
+        return {"connectors": metas} if any(m is not None for m in metas) else None
 
     def bind_connector_metadata(self, metadata: MultiKVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
