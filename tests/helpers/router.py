@@ -1,5 +1,5 @@
-"""`kvserve router` in a subprocess for tests (tests/e2e/test_router.py), as tests/helpers/server.py starts
-`kvserve serve`: on a free port, returning once it announces where it routes."""
+"""`kvserve router` (and `kvserve proxy`) in a subprocess for tests (tests/e2e/test_router.py, test_proxy.py), as
+tests/helpers/server.py starts `kvserve serve`: on a free port, returning once it announces where it routes."""
 from __future__ import annotations
 
 import os
@@ -32,8 +32,13 @@ class Router:
 
 
 def start_router(worker_urls: list[str], log_path: Path, *flags: str, timeout: float = 60.0) -> Router:
-    cmd = [sys.executable, "-m", "kvserve.cli.main", "router", "--port", "0",
-           *[a for url in worker_urls for a in ("--worker", url)], *flags]
+    return start_routing(["router", *[a for url in worker_urls for a in ("--worker", url)], *flags], log_path,
+                         timeout=timeout)
+
+
+def start_routing(args: list[str], log_path: Path, timeout: float = 60.0) -> Router:
+    """`kvserve ARGS --port 0` (router, or proxy: tests/helpers/pd.py) once it announces where it listens."""
+    cmd = [sys.executable, "-m", "kvserve.cli.main", *args, "--port", "0"]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout
