@@ -7,7 +7,7 @@ one engine's, with chunked prefill on the prefill side, speculative decoding (ng
 (preemptions) on the decode side, and again with an int8 KV cache (small KV pool, no speculation). The one engine is the prefill instance
 itself, asked for the whole answers afterwards: a kv_producer computes as a plain engine does (it only saves
 what it computed), and asking it after the disaggregated pass leaves that pass's transfers untouched.
-Then the faults: a member that stops answering /health (SIGSTOP) leaves rotation and comes back (SIGCONT); a
+`kvserve router --pd-disaggregation` runs the same flow. Then the faults: a member that stops answering /health (SIGSTOP) leaves rotation and comes back (SIGCONT); a
 prefill instance killed after answering; a decode instance killed mid-stream; a client that leaves. Every
 surviving instance's free KV block count returns to its starting value.
 
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from tests.helpers.pd import assert_free_blocks_return, free_blocks, start_proxy, stop_servers, transfer_config
-from tests.helpers.router import wait_until
+from tests.helpers.router import start_router, wait_until
 from tests.helpers.server import metric, start_server
 from tests.helpers.structured_schemas import SCHEMAS
 
@@ -167,6 +167,21 @@ def test_disaggregated_answers_with_an_int8_kv_cache_are_one_engines(instances, 
         assert_free_blocks_return({n: servers[n] for n in ("p8", "d8")}, start)
     finally:
         assert proxy.stop() == 0, proxy.log()
+
+
+def test_the_router_with_pd_disaggregation_runs_the_same_flow(instances, tmp_path):
+    """SGLang's spelling, its default policy (cache_aware: keys from the tokenizer the decode pool names)."""
+    servers, start = instances
+    router = start_router([], tmp_path / "router.log", "--pd-disaggregation", "--prefill", servers["p0"].base_url,
+                          "--decode", servers["d0"].base_url, "--decode", servers["d1"].base_url)
+    try:
+        requests = _requests()[1::4]
+        _same(_answers(router.base_url, requests), _answers(servers["p0"].base_url, requests))
+        assert {w["role"] for w in router.workers()} == {"prefill", "decode"}
+        assert "routing keys from the tokenizer" in router.log()
+        assert_free_blocks_return({n: servers[n] for n in ("p0", "d0", "d1")}, start)
+    finally:
+        assert router.stop() == 0, router.log()
 
 
 def test_bad_input_and_empty_pools_are_openai_errors(instances, tmp_path):

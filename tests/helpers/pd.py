@@ -20,6 +20,10 @@ def transfer_config(connector: str, role: str, store: Path) -> str:
     config: dict = {"kv_connector": connector, "kv_role": kv_role}
     if connector in ("SharedStorageConnector", "ExampleConnector"):
         config["kv_connector_extra_config"] = {"shared_storage_path": str(store)}
+    elif connector in ("NixlConnector", "PullConnector"):
+        # a free side-channel port each; a short lease, so KV prefilled for a decode that never came (a
+        # decode instance killed, a body the decode side refused) is freed within a test's block check
+        config.update(kv_port=0, kv_connector_extra_config={"lease_s": 5})
     return json.dumps(config)
 
 
