@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import Counter
 
 import httpx
@@ -15,6 +14,7 @@ from fastapi.testclient import TestClient
 from kvserve.router.app import build_router_app
 from kvserve.router.config import RouterConfig
 from kvserve.router.pd_cli import add_arguments
+from tests.helpers.router import scripted_stream, wait_until
 
 PREFILL = ("http://p0", "http://p1")
 DECODE = ("http://d0", "http://d1")
@@ -50,16 +50,8 @@ class ScriptedPools:
             return httpx.Response(200, json={"choices": [{"text": "t"}], "kv_transfer_params": {"remote_engine_id": host}})
         text = f"{body['kv_transfer_params']['remote_engine_id']}>{host}"
         if body.get("stream"):
-            return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                  content=self._events(text, cut=host in self.cut, request=request))
+            return scripted_stream(text, request, cut=host in self.cut)
         return httpx.Response(200, json={"choices": [{"text": text}], "usage": {"prompt_tokens": 1}})
-
-    @staticmethod
-    async def _events(text: str, cut: bool, request: httpx.Request):
-        yield f"data: {json.dumps({'choices': [{'text': text}]})}\n\n".encode()
-        if cut:
-            raise httpx.ReadError("connection reset", request=request)
-        yield b"data: [DONE]\n\n"
 
 
 @pytest.fixture
@@ -78,13 +70,6 @@ def _text(client: TestClient, **body) -> str:
     r = client.post("/v1/completions", json={"prompt": "x", **body})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
-
-
-def _wait(predicate, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def _health(client: TestClient) -> dict[str, bool]:
@@ -108,7 +93,7 @@ def test_a_dead_member_of_either_pool_is_retried_around_then_noticed_back(pools)
         assert {_text(client) for _ in range(6)} == {"p0>d1"}
         assert _health(client) == {"p0": True, "p1": False, "d0": False, "d1": True}
         pools.dead.clear()
-        _wait(lambda: all(_health(client).values()), "the members back in rotation")
+        wait_until(lambda: all(_health(client).values()), 5, "the members back in rotation")
         assert {_text(client) for _ in range(4)} == {"p0>d0", "p1>d1"}
         assert all(w["load"] == 0 for w in client.get("/workers").json()["workers"])
 
@@ -133,7 +118,8 @@ def test_an_empty_pool_is_503_and_a_failing_one_502(pools):
         assert r.status_code == 503 and r.json()["error"]["message"] == "no healthy decode"
         assert client.get("/health").status_code == 503
         pools.dead = {"p0", "p1"}
-        _wait(lambda: _health(client) == {"p0": False, "p1": False, "d0": True, "d1": True}, "decode back, prefill out")
+        wait_until(lambda: _health(client) == {"p0": False, "p1": False, "d0": True, "d1": True}, 5,
+                   "decode back, prefill out")
         r = client.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["message"] == "no healthy prefill"
 
