@@ -14,7 +14,11 @@ def _field_help(cls, name: str) -> str:
     return next(f.metadata["help"] for f in fields(cls) if f.name == name)
 
 
-def _with_scheme(url: str) -> str:
+def _instance_url(flag: str, url: str) -> str:
+    if url.isdigit():
+        raise ValueError(f"{flag} takes URLs, got {url!r}: sglang-router's bootstrap port has no use here (the KV "
+                         "moves through the instances' --kv-transfer-config connector)")
+    # NOTE: vLLM's disaggregated proxy example takes host:port; a URL needs its scheme here.
     return url if "://" in url else f"http://{url}"
 
 
@@ -96,9 +100,8 @@ class RouterConfig:
                 raise ValueError("--worker is not used with --pd-disaggregation: give --prefill and --decode URLs")
             if not self.prefill or not self.decode:
                 raise ValueError("disaggregated serving needs at least one --prefill and one --decode URL")
-            # NOTE: vLLM's disaggregated proxy example takes host:port; a URL needs its scheme here.
-            object.__setattr__(self, "prefill", tuple(_with_scheme(u) for u in self.prefill))
-            object.__setattr__(self, "decode", tuple(_with_scheme(u) for u in self.decode))
+            object.__setattr__(self, "prefill", tuple(_instance_url("--prefill", u) for u in self.prefill))
+            object.__setattr__(self, "decode", tuple(_instance_url("--decode", u) for u in self.decode))
         elif self.prefill or self.decode:
             raise ValueError("--prefill and --decode need --pd-disaggregation (or `kvserve proxy`)")
         elif not self.worker:

@@ -152,6 +152,8 @@ def test_the_proxy_flags():
         _parse("--prefill", "http://a")
     with pytest.raises(ValueError, match="--decode must be an http"):
         _parse("--prefill", "http://a", "--decode", "ftp://c")
+    with pytest.raises(ValueError, match="bootstrap port has no use here"):
+        _parse("--prefill", "http://a", "8998", "--decode", "http://c")
 
 
 def test_the_routers_pd_flags_are_checked():
