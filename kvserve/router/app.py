@@ -61,7 +61,7 @@ class Route:
 
     @classmethod
     def make(cls, config: RouterConfig, role: str, urls: tuple[str, ...], policy_name: str,
-             client: httpx.AsyncClient) -> "Route":
+             client: httpx.AsyncClient) -> Route:
         pool = WorkerPool.of(list(urls), config.health_config())
         policy = make_policy(config, policy_name)
         pool.on_down.append(policy.forget)

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
 from tests.helpers.pd import assert_free_blocks_return, free_blocks, start_proxy, stop_servers, transfer_config
 from tests.helpers.router import start_router, wait_until
 from tests.helpers.server import metric, start_server
@@ -28,8 +29,8 @@ from tests.helpers.structured_schemas import SCHEMAS
 
 # The lead adds "NixlConnector" (the network pull connector) here.
 CONNECTORS = ["SharedStorageConnector"]
-NGRAM = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                                  '"prompt_lookup_max": 4}')
+NGRAM = ("--speculative-config",
+         ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'))
 PREFILL_FLAGS = ("--speculative-config", "none", "--max-num-batched-tokens", "32")  # long prompts are chunked
 SMALL_KV = ("--num-gpu-blocks-override", "14", "--max-model-len", "224")  # preemptions under 52 requests
 INSTANCES = {  # name: (role, flags)
