@@ -69,8 +69,8 @@ def instances(request, tiny_llama, tmp_path_factory):
 
 def _requests() -> list[tuple[str, dict]]:
     """52 requests: 4 groups of 6 completions sharing a long prefix, 2 groups of 6 chats sharing a system prompt
-    (half multi-turn), 6 repetitive completions (ngram drafts hit), 6 chats with a json_schema; every third
-    one streamed (with usage)."""
+    (half multi-turn, some with max_completion_tokens), 6 repetitive completions (ngram drafts hit; min_tokens),
+    6 chats with a json_schema; every third one streamed (with usage)."""
     out = []
     for g in range(4):
         prefix = " ".join(WORDS[(g + i) % len(WORDS)] for i in range(60))
@@ -82,8 +82,10 @@ def _requests() -> list[tuple[str, dict]]:
             turns = [system, {"role": "user", "content": f"tell me about {WORDS[r]}"}]
             if r % 2:
                 turns += [{"role": "assistant", "content": WORDS[r + 1]}, {"role": "user", "content": "more"}]
-            out.append(("/v1/chat/completions", {"messages": turns, "max_tokens": 16}))
-    out += [("/v1/completions", {"prompt": " ".join(WORDS[r:r + 4] * 8), "max_tokens": 24}) for r in range(6)]
+            limit = "max_completion_tokens" if r % 3 == 0 else "max_tokens"  # the prefill side gets 1 of either
+            out.append(("/v1/chat/completions", {"messages": turns, limit: 16}))
+    out += [("/v1/completions", {"prompt": " ".join(WORDS[r:r + 4] * 8), "max_tokens": 24, "min_tokens": 8})
+            for r in range(6)]  # min_tokens: for the decode side only (1 token on the prefill side)
     for name, prompt, schema in SCHEMAS[:6]:
         out.append(("/v1/chat/completions", {
             "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,

@@ -35,6 +35,7 @@ class Script:
         self.release = asyncio.Event()
         self.seen: dict[str, list[dict]] = {"prefill": [], "decode": []}
         self.headers: dict[str, list[str]] = {"prefill": [], "decode": []}
+        self.keys: dict[str, list[str]] = {"prefill": [], "decode": []}
         self.cancelled = 0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -42,6 +43,7 @@ class Script:
         body = json.loads(request.content)
         self.seen[role].append(body)
         self.headers[role].append(request.headers.get("x-request-id"))
+        self.keys[role].append(request.headers.get("authorization"))
         if role == "decode":
             return httpx.Response(200, json={"got": body})
         if self.hold:
@@ -81,10 +83,11 @@ def test_the_prefill_answers_params_go_with_the_original_request_to_decode():
     async def run():
         script = Script(params)
         body = {"prompt": "x", "max_tokens": 7, "stream": False, "min_tokens": 2}
-        got = await _body(await _send(_flow(script), body, {"x-request-id": "req-1"}))
+        got = await _body(await _send(_flow(script), body, {"X-Request-Id": "req-1", "Authorization": "Bearer k"}))
         assert got == {"got": {**body, "kv_transfer_params": params}}
         assert script.seen["prefill"][0]["max_tokens"] == 1
         assert script.headers == {"prefill": ["req-1"], "decode": ["req-1"]}
+        assert script.keys == {"prefill": ["Bearer k"], "decode": ["Bearer k"]}  # the client's key, both sides
         # no params (a shared store): the decode instance gets the body as the client sent it
         script.params = None
         assert await _body(await _send(_flow(script), body)) == {"got": body}
