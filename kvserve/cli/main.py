@@ -13,6 +13,8 @@ _COMMANDS = {
     "serve": ("kvserve.server.cli", "serve the OpenAI-compatible HTTP API"),
     "generate": ("kvserve.cli.generate", "generate completions offline (prompts from arguments or a JSONL file)"),
     "router": ("kvserve.router.cli", "route OpenAI requests over several `kvserve serve` workers by load and prefix cache"),
+    "proxy": ("kvserve.router.pd_cli", "disaggregated serving: send each OpenAI request to a prefill instance, "
+              "then with its KV to a decode instance (vLLM's flow)"),
     "kv-calc": ("kvserve.cli.kv_calc",
                 "KV-cache memory calculator (reads only the model config, or takes the shape as flags)"),
 }

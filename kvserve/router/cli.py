@@ -1,4 +1,5 @@
-"""`kvserve router --worker URL [--worker URL ...] --policy ...`: the router on uvicorn."""
+"""`kvserve router --worker URL [--worker URL ...] --policy ...` (or `--pd-disaggregation --prefill URL --decode
+URL`): the router on uvicorn."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = RouterConfig.from_cli(args)
+    return serve(RouterConfig.from_cli(args))
+
+
+def serve(config: RouterConfig) -> int:
+    """The router (or `kvserve proxy`) on uvicorn until SIGTERM; the exit status."""
     sock = _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
 

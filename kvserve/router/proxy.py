@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -37,26 +37,52 @@ class Forwarder:
     pool: WorkerPool
     client: httpx.AsyncClient
     choose: Callable[[RoutingKey, list[Worker]], Worker]
+    name: str = "worker"
+    """What the pool's members are called in error messages (disaggregated pools: prefill, decode)."""
 
     async def forward(self, path: str, raw_body: bytes, headers, key: RoutingKey) -> Response:
+        return await self._on_some_worker(key, lambda worker: self._send(worker, path, raw_body, headers))
+
+    async def fetch(self, path: str, raw_body: bytes, headers, key: RoutingKey) -> httpx.Response:
+        """A worker's whole answer, read to its end (retried on another worker as forward() is)."""
+        return await self._on_some_worker(key, lambda worker: self._fetch(worker, path, raw_body, headers))
+
+    async def _on_some_worker(self, key: RoutingKey, attempt: Callable[[Worker], Awaitable]):
         tried: set[str] = set()
         while True:
             workers = [w for w in self.pool.healthy() if w.url not in tried]
             if not workers:
                 if tried:
-                    raise APIError(502, f"every worker tried failed ({', '.join(sorted(tried))})",
+                    raise APIError(502, f"every {self.name} tried failed ({', '.join(sorted(tried))})",
                                    code="worker_failed")
-                raise APIError(503, "no healthy worker", code="no_healthy_worker")
+                raise APIError(503, f"no healthy {self.name}", code="no_healthy_worker")
             worker = self.choose(key, workers)
             tried.add(worker.url)
             try:
-                return await self._send(worker, path, raw_body, headers)
+                return await attempt(worker)
             except _WorkerGone as e:
                 self.pool.mark_down(worker, str(e))
 
-    async def _send(self, worker: Worker, path: str, raw_body: bytes, headers) -> Response:
+    def _request(self, worker: Worker, path: str, raw_body: bytes, headers) -> httpx.Request:
         fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARDED_HEADERS}
-        request = self.client.build_request("POST", f"{worker.url}{path}", content=raw_body, headers=fwd)
+        return self.client.build_request("POST", f"{worker.url}{path}", content=raw_body, headers=fwd)
+
+    async def _fetch(self, worker: Worker, path: str, raw_body: bytes, headers) -> httpx.Response:
+        done = self.pool.begin(worker)
+        try:
+            response = await self.client.send(self._request(worker, path, raw_body, headers))
+        except _RETRYABLE as e:  # the answer never reached the client: another worker may give it
+            raise _WorkerGone(f"{type(e).__name__} on {path}") from None
+        except httpx.HTTPError as e:
+            raise APIError(502, f"{self.name} {worker.url} failed: {type(e).__name__}", code="worker_failed") from None
+        finally:
+            done()
+        if response.status_code == 503:
+            raise _WorkerGone(f"{path} answered 503")
+        return response
+
+    async def _send(self, worker: Worker, path: str, raw_body: bytes, headers) -> Response:
+        request = self._request(worker, path, raw_body, headers)
         done = self.pool.begin(worker)
         try:
             response = await self.client.send(request, stream=True)
@@ -65,7 +91,8 @@ class Forwarder:
             raise _WorkerGone(f"{type(e).__name__} on {path}") from None
         except httpx.HTTPError as e:
             done()
-            raise APIError(502, f"worker {worker.url} failed: {type(e).__name__}", code="worker_failed") from None
+            raise APIError(502, f"{self.name} {worker.url} failed: {type(e).__name__}",
+                           code="worker_failed") from None
         if response.status_code == 503:
             await response.aclose()
             done()
@@ -98,7 +125,7 @@ class Forwarder:
         except httpx.HTTPError as e:
             logger.warning("worker %s failed mid-answer: %s", worker.url, type(e).__name__)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
-                error = APIError(502, f"the worker serving this request failed mid-stream ({type(e).__name__})",
+                error = APIError(502, f"the {self.name} serving this request failed mid-stream ({type(e).__name__})",
                                  code="worker_failed")
                 yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
         finally:

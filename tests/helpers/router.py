@@ -1,7 +1,8 @@
-"""`kvserve router` in a subprocess for tests (tests/e2e/test_router.py), as tests/helpers/server.py starts
-`kvserve serve`: on a free port, returning once it announces where it routes."""
+"""`kvserve router` (and `kvserve proxy`) in a subprocess for tests (tests/e2e/test_router.py, test_proxy.py), as
+tests/helpers/server.py starts `kvserve serve`: on a free port, returning once it announces where it routes."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,8 +33,13 @@ class Router:
 
 
 def start_router(worker_urls: list[str], log_path: Path, *flags: str, timeout: float = 60.0) -> Router:
-    cmd = [sys.executable, "-m", "kvserve.cli.main", "router", "--port", "0",
-           *[a for url in worker_urls for a in ("--worker", url)], *flags]
+    return start_routing(["router", *[a for url in worker_urls for a in ("--worker", url)], *flags], log_path,
+                         timeout=timeout)
+
+
+def start_routing(args: list[str], log_path: Path, timeout: float = 60.0) -> Router:
+    """`kvserve ARGS --port 0` (router, or proxy: tests/helpers/pd.py) once it announces where it listens."""
+    cmd = [sys.executable, "-m", "kvserve.cli.main", *args, "--port", "0"]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout
@@ -41,8 +47,9 @@ def start_router(worker_urls: list[str], log_path: Path, *flags: str, timeout: f
         if proc.poll() is not None:
             raise RuntimeError(f"router exited with {proc.returncode}:\n{log_path.read_text()}")
         text = log_path.read_text(errors="replace")
-        if "routing on " in text:
-            return Router(proc, text.split("routing on ", 1)[1].split()[0], log_path)
+        # NOTE: the CLI's own line: a log line about routing "on the prompts' text" must not match
+        if "kvserve: routing on " in text:
+            return Router(proc, text.split("kvserve: routing on ", 1)[1].split()[0], log_path)
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"router not ready after {timeout}s:\n{log_path.read_text()}")
@@ -55,3 +62,14 @@ def wait_until(predicate, timeout: float, what: str) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def scripted_stream(text: str, request: httpx.Request, cut: bool = False) -> httpx.Response:
+    """A scripted worker's streamed answer (tests/server/test_router_app.py, test_pd_app.py): one event with
+    `text`, then `[DONE]`, or (cut) the connection reset after the event."""
+    async def events():
+        yield f"data: {json.dumps({'choices': [{'text': text}]})}\n\n".encode()
+        if cut:
+            raise httpx.ReadError("connection reset", request=request)
+        yield b"data: [DONE]\n\n"
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())

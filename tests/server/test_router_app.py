@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from kvserve.router.app import build_router_app
 from kvserve.router.config import RouterConfig
+from tests.helpers.router import scripted_stream
 
 URLS = ["http://w0", "http://w1"]
 
@@ -40,16 +41,8 @@ class ScriptedWorkers:
         self.completions[host] += 1
         body = json.loads(request.content)
         if body.get("stream"):
-            return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                  content=self._events(host, cut=host in self.cut, request=request))
+            return scripted_stream(host, request, cut=host in self.cut)
         return httpx.Response(200, json={"choices": [{"text": host, "finish_reason": "length"}]})
-
-    @staticmethod
-    async def _events(host: str, cut: bool, request: httpx.Request):
-        yield f"data: {json.dumps({'choices': [{'text': host}]})}\n\n".encode()
-        if cut:
-            raise httpx.ReadError("connection reset", request=request)
-        yield b"data: [DONE]\n\n"
 
 
 @pytest.fixture
