@@ -27,6 +27,14 @@
 #include <cstdint>
 #include <cstring>
 
+// NOTE: kernels are built with -ffast-math, which lets the compiler reassociate a sum (split the chain along k
+// into partial sums, differently for each tile shape it unrolls): exactly what this file must not do.
+#if defined(__clang__)
+#pragma clang fp reassociate(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("no-associative-math")
+#endif
+
 namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per packed panel (the same on every instruction set)
