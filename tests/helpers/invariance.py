@@ -67,40 +67,12 @@ def make_wide_checkpoint(path: str, seed: int = 0):
     projection), so a test that passes here would fail without the mode. Returns transformers' model."""
     import transformers as tf
 
-    from tests.helpers.checkpoints import builtin_tokenizer
+    from tests.helpers.checkpoints import write_random_checkpoint
 
-    torch.manual_seed(seed)
     cfg = tf.Qwen2Config(vocab_size=49152, hidden_size=128, intermediate_size=1536, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(path)
-    builtin_tokenizer().save_pretrained(path)
-    return model
-
-
-class KnownProposer:
-    """Drafts that are the known continuation of some requests (`known`: req_id -> its whole token sequence),
-    so that every draft is accepted and each verification row scores a real position; other requests get
-    `inner`'s drafts (ngram)."""
-
-    name = "known"
-
-    def __init__(self, inner, known: dict[str, list[int]]):
-        self.inner, self.known = inner, known
-
-    def propose(self, batch, rows, num_drafts) -> list[list[int]]:
-        drafts = self.inner.propose(batch, rows, num_drafts)
-        for i, (row, k) in enumerate(zip(rows, num_drafts)):
-            tokens = self.known.get(batch.req_ids[row])
-            if tokens is not None:
-                n = int(batch.num_tokens[row])
-                drafts[i] = tokens[n:n + int(k)]
-        return drafts
+    return write_random_checkpoint(path, cfg, seed)
 
 
 def run_recorded(engine_kwargs: dict, requests: list[tuple[str, list[int], SamplingParams]], *,
