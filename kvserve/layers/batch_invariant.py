@@ -52,10 +52,10 @@ class BatchInvariantMethod:
             layer.invariant_weight = self.kernel.pack(packed)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n = layer.weight.shape[0]
         if x.device.type == "cuda":
             from kvserve.layers.triton_batch_invariant import linear
-            return linear(x, layer.weight, bias)
-        n = layer.weight.shape[0]
+            return linear(x.reshape(-1, x.shape[-1]), layer.weight, bias).view(*x.shape[:-1], n)
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()                        # [M, K]
         out = self.kernel.linear(rows, layer.invariant_weight, n, None if bias is None else bias.float())
         return out.view(*x.shape[:-1], n).to(x.dtype)
