@@ -75,6 +75,26 @@ def make_wide_checkpoint(path: str, seed: int = 0):
     return write_random_checkpoint(path, cfg, seed)
 
 
+class KnownProposer:
+    """Drafts that are the known continuation of some requests (`known`: req_id -> its whole token sequence),
+    so that every draft is accepted and each verification row scores a real position; other requests get
+    `inner`'s drafts (ngram)."""
+
+    name = "known"
+
+    def __init__(self, inner, known: dict[str, list[int]]):
+        self.inner, self.known = inner, known
+
+    def propose(self, batch, rows, num_drafts) -> list[list[int]]:
+        drafts = self.inner.propose(batch, rows, num_drafts)
+        for i, (row, k) in enumerate(zip(rows, num_drafts)):
+            tokens = self.known.get(batch.req_ids[row])
+            if tokens is not None:
+                n = int(batch.num_tokens[row])
+                drafts[i] = tokens[n:n + int(k)]
+        return drafts
+
+
 def run_recorded(engine_kwargs: dict, requests: list[tuple[str, list[int], SamplingParams]], *,
                  first: list[tuple[str, list[int], SamplingParams]] = (),
                  known_drafts: dict[str, list[int]] | None = None) -> tuple[Engine, LogitsRecorder, dict]:
