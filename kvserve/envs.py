@@ -94,3 +94,9 @@ def onednn_max_cpu_isa() -> str | None:
     use): the highest instruction set of oneDNN's kernels, which run kvserve's dense matmuls on the CPU. Read
     here only to report it."""
     return _get("ONEDNN_MAX_CPU_ISA")
+
+
+def batch_invariant() -> bool:
+    """VLLM_BATCH_INVARIANT=1 (vLLM's spelling) or KVSERVE_BATCH_INVARIANT=1: as the --batch-invariant flag
+    (docs/features/batch-invariance.md)."""
+    return _get("VLLM_BATCH_INVARIANT") == "1" or _get("KVSERVE_BATCH_INVARIANT") == "1"

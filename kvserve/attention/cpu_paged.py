@@ -8,7 +8,12 @@ all their query rows (attention/cascade.py).
 Sliding windows and logit soft caps are kernel arguments of each call (windows differ per layer: the step's
 metadata holds none); the kernel starts each sequence at its window's first block. A windowed layer reads
 shared prefixes once only while every grouped sequence fits in its window (then the window hides nothing from
-them); past that it reads each sequence's blocks alone."""
+them); past that it reads each sequence's blocks alone.
+
+Batch-invariant mode (`fixed_order`, --batch-invariant): every query token is a one-token sequence of its own
+(ending at its position), with no shared-prefix groups and no split of a decode over its blocks, so each row,
+a decode, a prefill chunk's row or a draft verification row, is reduced over its keys exactly as a lone
+decode at that position is, whatever else the step holds (docs/features/batch-invariance.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,13 +40,15 @@ class CPUPagedMetadata:
 
 class CPUPagedBackend:
     """`kernel`: the compiled module (cpu_kernels.load_paged_attention()); `cascade`: read the blocks that
-    several sequences of a step share once for all of them (off: each sequence reads its own)."""
+    several sequences of a step share once for all of them (off: each sequence reads its own); `fixed_order`:
+    the batch-invariant mode (each query token reduced as a lone decode; no cascade)."""
 
     name = "cpu_paged"
 
-    def __init__(self, kernel, cascade: bool = True):
+    def __init__(self, kernel, cascade: bool = True, fixed_order: bool = False):
         self.kernel = kernel
-        self.cascade = cascade
+        self.cascade = cascade and not fixed_order
+        self.fixed_order = fixed_order
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
@@ -50,6 +57,8 @@ class CPUPagedBackend:
         return kv_cache_scale_shape(num_blocks, block_size, num_kv_heads)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CPUPagedMetadata:
+        if self.fixed_order:
+            return _per_token_metadata(common)
         nd = common.num_decodes
         loc = common.query_start_loc
         if nd and common.decode_groups is not None:
@@ -93,7 +102,19 @@ class CPUPagedBackend:
         # back (a copy of q, small beside the K/V it reads).
         out = self.kernel.paged_attention(q.float().contiguous(), values, meta.block_table, meta.seq_lens, scale,
                                           meta.query_start, scales, *cascade, sliding_window or 0,
-                                          logits_soft_cap or 0.0)
+                                          logits_soft_cap or 0.0, self.fixed_order)
         if rotated:
             out = self.kernel.hadamard(out)
         return out if out.dtype == q_dtype else out.to(q_dtype)
+
+
+def _per_token_metadata(common: CommonAttentionMetadata) -> CPUPagedMetadata:
+    """One sequence per query token, ending at that token's position, reading its request's block table."""
+    loc = common.query_start_loc
+    q_lens = loc.diff()                                                                  # [B]
+    num_tokens = int(loc[-1])
+    req = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)                     # [T]
+    offsets = torch.arange(num_tokens) - loc[req]                                        # [T]
+    lens = common.seq_lens[req] - q_lens[req] + offsets + 1                              # [T]
+    table = common.block_table[req].contiguous()                                         # [T, max_blocks]
+    return CPUPagedMetadata(common.slot_mapping, table, lens.contiguous(), torch.arange(num_tokens + 1), None)

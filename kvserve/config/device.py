@@ -16,6 +16,9 @@ class DeviceConfig:
     """torch intra-op threads on CPU; None: torch's own choice."""
     enforce_eager: bool = False
     """CUDA: no CUDA graphs (every step runs eagerly); the CPU never captures."""
+    batch_invariant: bool = False
+    """Fixed-order matmul and attention: a row's logits do not depend on the rest of the step
+    (--batch-invariant; config/batch_invariance.py says what it refuses)."""
 
     @staticmethod
     def resolve_device(name: str) -> torch.device:

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import kvserve.envs as envs
+from kvserve.config.batch_invariance import model_refusal, refusal
 from kvserve.config.cache import CacheConfig
 from kvserve.config.device import DeviceConfig
 from kvserve.config.engine import EngineConfig
@@ -144,6 +146,12 @@ class EngineArgs:
                 "default: no overrides"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: run every step eagerly (no CUDA graphs for decode-only steps); no effect on CPU"})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "batch-invariant mode: a request's logits are bit-identical whatever else shares its steps, "
+                "however its prompt is chunked, with prefix-cache hits, preemption or speculative decoding "
+                "(fixed-order matmul and attention kernels; slower); VLLM_BATCH_INVARIANT=1 or "
+                "KVSERVE_BATCH_INVARIANT=1 also turn it on; refuses quantization, a quantized KV cache, "
+                "tensor parallelism, LoRA and MoE/MLA models (docs/features/batch-invariance.md)"})
     load_format: str = field(default="auto", metadata={
         "help": "auto: the checkpoint's weights; dummy: random weights of the model's real shapes from its "
                 "config.json alone (no download; a folder without a tokenizer takes prompts as token ids; "
@@ -216,6 +224,17 @@ class EngineArgs:
             raise ValueError("data_parallel_balance_abs_threshold must be >= 0 and data_parallel_balance_rel_threshold "
                              f">= 1, got {self.data_parallel_balance_abs_threshold} and "
                              f"{self.data_parallel_balance_rel_threshold}")
+        if self.invariant:
+            why = refusal(quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
+                          tensor_parallel_size=self.tensor_parallel_size, enable_lora=self.enable_lora,
+                          attention_backend=self.attention_backend)
+            if why is not None:
+                raise ValueError(f"--batch-invariant cannot be kept with {why}")
+
+    @property
+    def invariant(self) -> bool:
+        """--batch-invariant, or the environment's VLLM_BATCH_INVARIANT=1 / KVSERVE_BATCH_INVARIANT=1."""
+        return self.batch_invariant or envs.batch_invariant()
 
     def _parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
@@ -257,9 +276,12 @@ class EngineArgs:
                              "model; N engine cores run behind `kvserve serve --data-parallel-size N` (or start "
                              "one LLM per process)")
         device = DeviceConfig(DeviceConfig.resolve_device(self.device), self.attention_backend, self.num_threads,
-                              self.enforce_eager)
+                              self.enforce_eager, self.invariant)
         model = ModelConfig.resolve(self.model, self.dtype, device.device, self.max_model_len, self.max_logprobs,
                                     logprobs_mode=self.logprobs_mode)
+        why = model_refusal(model.hf_config) if self.invariant else None
+        if why is not None:
+            raise ValueError(f"--batch-invariant cannot be kept with {why}")
         quantization = self._quantization_config()
         quantization.check_source(model.source)
         speculative = SpeculativeConfig.parse(self.speculative_config)

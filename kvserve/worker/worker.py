@@ -24,6 +24,8 @@ from kvserve.kv_cache.layout import KVCacheSpec
 from kvserve.kv_cache.quant import SCALE_DTYPE, dtype_name, is_quantized, resolve_kv_cache_dtype
 from kvserve.kv_transfer.base import KVConnectorRole
 from kvserve.kv_transfer.factory import KVConnectorFactory
+from kvserve.layers.batch_invariant import BatchInvariantMethod
+from kvserve.layers.batch_invariant import load_kernel as load_batch_invariant_kernel
 from kvserve.layers.linear_methods import default_method
 from kvserve.layers.lora import LoRABatch, LoRAMethod
 from kvserve.layers.parallel import ShardContext
@@ -85,7 +87,8 @@ class Worker:
             self.backend = self._mla_backend(quantized_kv)
         else:
             with self.startup.phase("kernels"):  # the backend loads its C++ kernel (from the cache)
-                self.backend = make_backend(self.config.device.attention_backend, self.device.type, quantized_kv)
+                self.backend = make_backend(self.config.device.attention_backend, self.device.type, quantized_kv,
+                                            batch_invariant=self.config.device.batch_invariant)
         lora = self.config.lora
         batch = LoRABatch() if lora is not None else None
         self.model = self._load(self.config.model, batch)
@@ -112,7 +115,8 @@ class Worker:
     def _load(self, mc: ModelConfig, lora_batch: LoRABatch | None = None,
               shard: ShardContext | None = None) -> LlamaForCausalLM:
         shard = self.shard if shard is None else shard
-        dense = default_method(self.device, mc.dtype)
+        dense = self._invariant_method() if self.config.device.batch_invariant else default_method(self.device,
+                                                                                                    mc.dtype)
         # NOTE: only the target model is quantized (a draft model is small, and its proposals are verified).
         quant = self.config.quantization if mc is self.config.model else QuantizationConfig()
         method = make_linear_method(quant.method, quant.group, dense)
@@ -149,7 +153,19 @@ class Worker:
                 model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
         if self.device.type == "cpu" and mc is self.config.model:
             logger.info("CPU instruction sets: %s", describe_isa())  # docs/features/cpu-kernels.md
+        if self.config.device.batch_invariant and mc is self.config.model:
+            logger.info("batch-invariant mode: on (fixed-order matmul and %s attention: a request's logits do not "
+                        "depend on the rest of its steps; docs/features/batch-invariance.md)", self.backend.name)
         return model
+
+    def _invariant_method(self) -> BatchInvariantMethod:
+        """--batch-invariant: every linear layer and the LM head through the fixed-order matmul."""
+        if self.device.type == "cuda":
+            return BatchInvariantMethod()
+        kernel = load_batch_invariant_kernel()
+        if kernel is None:
+            raise ValueError("--batch-invariant needs a C++ compiler and ninja to build its matmul kernel")
+        return BatchInvariantMethod(kernel)
 
     def kv_cache_spec(self, num_blocks: int, model: LlamaForCausalLM | None = None) -> KVCacheSpec:
         """The target's (or the draft `model`'s) cache: both store --kv-cache-dtype."""

@@ -43,10 +43,14 @@ def builtin_tokenizer():
 
 def make_tiny_checkpoint(path: str, arch: str = "llama", tie: bool = False, seed: int = 0):
     """Write a random tiny checkpoint + the SmolLM2 tokenizer to `path`; returns the HF model (oracle)."""
+    return write_random_checkpoint(path, tiny_config(arch, tie), seed)
+
+
+def write_random_checkpoint(path: str, cfg, seed: int = 0):
+    """A random model of transformers config `cfg` + the SmolLM2 tokenizer written to `path`; returns the model."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = tiny_config(arch, tie)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # random init is small; widen it so logits are far from ties
         for p in model.parameters():

@@ -8,7 +8,7 @@ import functools
 import pytest
 
 from kvserve.attention import cpu_kernels
-from kvserve.layers import moe_fused
+from kvserve.layers import batch_invariant, moe_fused
 from kvserve.layers.quant import kernels as quant_kernels
 from kvserve.models import layer_ops
 from kvserve.utils.cpp_extension import build_extension
@@ -20,6 +20,7 @@ KERNELS = {
     "quant_linear": ("kvserve_quant_linear", quant_kernels._SOURCE, "weight-only quantized linear"),
     "layer_ops": ("kvserve_layer_ops", layer_ops._SOURCE, "fused layer ops"),
     "moe": ("kvserve_moe", moe_fused._SOURCE, "fused MoE experts"),
+    "batch_invariant": ("kvserve_batch_invariant", batch_invariant._SOURCE, "batch-invariant matmul"),
 }
 
 LANES = {"avx512": 16, "avx2": 8, "scalar": 1}

@@ -786,11 +786,13 @@ void merge_splits(const Splits& sp, const Geometry& g, float* out) {
 // sliding_window W > 0: a query token at position p sees keys (p - W, p] only, and the blocks wholly before its
 // sequence's first query token's window are never read (they may have been freed); sequences in shared-prefix
 // groups must then be no longer than the window (every query token of theirs sees the whole prefix). soft_cap c > 0: scores become c * tanh(s / c) after scaling (Gemma 2).
+// fixed_order: no decode is split over its blocks (a split depends on how many other items the call has), so a
+// one-token sequence is always reduced block by block in one pass (the batch-invariant mode, cpu_paged.py).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table, torch::Tensor seq_lens,
                               double scale, c10::optional<torch::Tensor> query_start,
                               c10::optional<torch::Tensor> kv_scales, c10::optional<torch::Tensor> cascade_seqs,
                               c10::optional<torch::Tensor> cascade_starts, c10::optional<torch::Tensor> cascade_blocks,
-                              int64_t sliding_window, double soft_cap) {
+                              int64_t sliding_window, double soft_cap, bool fixed_order) {
   TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0.0, "paged_attention: sliding_window and soft_cap must be >= 0 "
               "(0: none)");
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous(),
@@ -880,7 +882,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor b
   }
 
   Splits splits;
-  split_decodes(own, splits, omp_get_max_threads() - static_cast<int64_t>(own.size()) + 1, T, g);
+  if (!fixed_order) split_decodes(own, splits, omp_get_max_threads() - static_cast<int64_t>(own.size()) + 1, T, g);
   own.insert(own.end(), std::make_move_iterator(splits.parts.begin()), std::make_move_iterator(splits.parts.end()));
 
   auto out = torch::empty_like(q);
@@ -1220,11 +1222,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kv"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("query_start") = py::none(), py::arg("kv_scales") = py::none(), py::arg("cascade_seqs") = py::none(),
         py::arg("cascade_starts") = py::none(), py::arg("cascade_blocks") = py::none(),
-        py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0);
+        py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0, py::arg("fixed_order") = false);
   // The decode kernel's name, kept for its callers: the same kernel.
   m.def("paged_decode_attention", &paged_attention, "alias of paged_attention", py::arg("q"), py::arg("kv"),
         py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("query_start") = py::none(),
         py::arg("kv_scales") = py::none(), py::arg("cascade_seqs") = py::none(),
         py::arg("cascade_starts") = py::none(), py::arg("cascade_blocks") = py::none(),
-        py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0);
+        py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0, py::arg("fixed_order") = false);
 }
