@@ -35,7 +35,7 @@ from kvserve.model_loader.dummy import initialize_dummy_weights
 from kvserve.model_loader.loader import iter_checkpoint_tensors
 from kvserve.model_loader.weight_loader import load_weights
 from kvserve.models.build import build_model
-from kvserve.models.layer_ops import load_fused_layer_ops
+from kvserve.models.layer_ops import TritonInvariantLayerOps, load_fused_layer_ops
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.spec_decode.ngram import NgramProposer
@@ -151,6 +151,8 @@ class Worker:
                 and self.backend.name != "torch_ref"):
             with self.startup.phase("kernels"):
                 model.ops = load_fused_layer_ops() or model.ops  # torch_ref stays all-PyTorch: the reference path
+        if self.device.type == "cuda" and self.config.device.batch_invariant:
+            model.ops = TritonInvariantLayerOps()  # PyTorch's CUDA norm picks its reduction split by shape
         if self.device.type == "cpu" and mc is self.config.model:
             logger.info("CPU instruction sets: %s", describe_isa())  # docs/features/cpu-kernels.md
         if self.config.device.batch_invariant and mc is self.config.model:
