@@ -41,8 +41,9 @@ def start_router(worker_urls: list[str], log_path: Path, *flags: str, timeout: f
         if proc.poll() is not None:
             raise RuntimeError(f"router exited with {proc.returncode}:\n{log_path.read_text()}")
         text = log_path.read_text(errors="replace")
-        if "routing on " in text:
-            return Router(proc, text.split("routing on ", 1)[1].split()[0], log_path)
+        # NOTE: the CLI's own line: a log line about routing "on the prompts' text" must not match
+        if "kvserve: routing on " in text:
+            return Router(proc, text.split("kvserve: routing on ", 1)[1].split()[0], log_path)
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"router not ready after {timeout}s:\n{log_path.read_text()}")
