@@ -19,7 +19,7 @@ class WorkloadRequest:
 
 
 WORKLOAD_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads")
-BUILTIN_WORKLOADS = ("mixed", "prefix", "interference", "repeat")
+BUILTIN_WORKLOADS = ("mixed", "prefix", "interference", "repeat", "groups")
 
 
 def workload_path(name_or_path: str) -> str:

@@ -62,7 +62,7 @@ class FakeWorker:
         app.post("/v1/chat/completions")(complete)
         return app
 
-    def start(self) -> "FakeWorker":
+    def start(self) -> FakeWorker:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"

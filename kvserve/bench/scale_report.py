@@ -1,0 +1,143 @@
+"""The arithmetic of `kvserve bench scale`: the best possible prefix hit rate of a workload over R replicas, the
+measured one from the replicas' counters, load skew, the KV transfer's share of TTFT, and the report's lines
+with the issue's targets beside the figures.
+
+Best possible hit rate: one block of a prompt (its chained hash, as the engine keys it) can be a hit for every
+request that holds it except the first on each replica that must hold it. A prefix used by a share f of the
+requests must be held by ceil(f x R) replicas (at most R): past 1/R of the traffic, one replica cannot take every
+request that wants it and stay inside a balanced load. Hits are counted as the engine counts them: at most
+(prompt length - 1) // block_size blocks of a prompt (its last token is always computed), in tokens, over the
+prompt tokens queried. When the blocks the replicas must hold exceed their capacity the bound is optimistic,
+and the report says so.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from kvserve.kv_cache.block_hash import block_keys, hash_block_key
+
+TARGETS = {
+    "itl_p99": "decode ITL p99 under disaggregation <= 1.2x its value with no prefills arriving",
+    "transfer": "KV transfer <= 5% of TTFT for a 2k-token prompt",
+    "precise": "precise within 2 points of the best possible hit rate, and ahead of cache_aware",
+    "skew": "load skew (most / fewest requests per replica) <= --balance-rel-threshold",
+}
+
+
+@dataclass(frozen=True)
+class BestHitRate:
+    hit_tokens: int
+    query_tokens: int
+    blocks_to_hold: int
+    """Blocks used more than once, as the replicas hold them between them in that placement (a block on k
+    replicas counts k): the cache that placement needs to reach the rate."""
+
+    @property
+    def rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+def _hittable_hashes(ids: list[int], block_size: int) -> list[int]:
+    """The hashes of the blocks of a prompt the engine can take from its cache (never the last token's)."""
+    return [hash_block_key(k) for k in block_keys(ids[:((len(ids) - 1) // block_size) * block_size], block_size)]
+
+
+def _block_counts(prompts: list[list[int]], block_size: int) -> Counter:
+    counts: Counter = Counter()
+    for ids in prompts:
+        counts.update(_hittable_hashes(ids, block_size))
+    return counts
+
+
+def max_private_tokens(prompts: list[list[int]], block_size: int) -> int:
+    """The most tokens of one prompt past its leading blocks that some other prompt shares."""
+    counts = _block_counts(prompts, block_size)
+    out = 0
+    for ids in prompts:
+        shared = 0
+        for h in _hittable_hashes(ids, block_size):
+            if counts[h] < 2:
+                break
+            shared += 1
+        out = max(out, len(ids) - shared * block_size)
+    return out
+
+
+def best_hit_rate(prompts: list[list[int]], block_size: int, num_replicas: int) -> BestHitRate:
+    counts = _block_counts(prompts, block_size)
+    n = len(prompts)
+    hits, held = 0, 0
+    for count in counts.values():
+        replicas = min(num_replicas, math.ceil(count * num_replicas / n))
+        hits += count - replicas
+        held += replicas if count > 1 else 0
+    return BestHitRate(hits * block_size, sum(len(p) for p in prompts), held)
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def measured_hit_rate(deltas: list[dict[str, float]]) -> float:
+    """Token-weighted over the replicas: their prefix-cache hits over their queries (vLLM's counters)."""
+    hits = sum(d.get("kvserve:prefix_cache_hits_total", 0.0) for d in deltas)
+    queries = sum(d.get("kvserve:prefix_cache_queries_total", 0.0) for d in deltas)
+    return hits / queries if queries else 0.0
+
+
+def load_skew(counts: list[int]) -> float:
+    """Most requests one replica served over the fewest (inf when one got none)."""
+    if not counts or max(counts) == 0:
+        return 1.0
+    return max(counts) / min(counts) if min(counts) else math.inf
+
+
+def transfer_share(producer_ttft_s: float, compute_ttft_s: float, consumer_ttft_s: float) -> dict[str, float]:
+    """The KV transfer's share of a disaggregated TTFT (prefill instance, then decode instance, in turn).
+
+    producer_ttft_s: the prompt on the prefill instance, saving its KV; compute_ttft_s: a prompt as long on an
+    instance that saves nothing (the same compute); consumer_ttft_s: the prompt on the decode instance, loading
+    the KV (it also computes the last partial block and samples: an upper bound on the load).
+    """
+    save = max(0.0, producer_ttft_s - compute_ttft_s)
+    total = producer_ttft_s + consumer_ttft_s
+    return {"save_s": save, "load_s": consumer_ttft_s, "ttft_s": total,
+            "share": (save + consumer_ttft_s) / total if total else 0.0}
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else math.inf
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "NOT met")
+
+
+def routing_lines(section: dict) -> list[str]:
+    """Section b's table: one row per workload and policy."""
+    lines = [f"{'workload':<8}{'policy':<24}{'hit rate':>9}{'best':>7}{'TTFT p50':>10}{'p99':>8}{'skew':>7}"]
+    for name, w in section["workloads"].items():
+        for policy, r in w["policies"].items():
+            skew = r.get("skew")
+            best = w["best_hit_rate"] if "skew" in r else w["best_one_engine"]
+            lines.append(f"{name:<8}{policy:<24}{100 * r['hit_rate']:>8.1f}%{100 * best:>6.1f}%"
+                         f"{r['ttft']['median_ms']:>8.0f}ms{r['ttft']['p99_ms']:>6.0f}ms"
+                         f"{'' if skew is None else f'{skew:.2f}':>7}")
+        if not w["capacity_ok"]:
+            lines.append(f"  ({name}: the blocks to hold exceed the replicas' capacity: the best is optimistic)")
+    for name, w in section["workloads"].items():
+        p = w["policies"]
+        if "precise" in p and "cache_aware" in p:
+            gap = 100 * (w["best_hit_rate"] - p["precise"]["hit_rate"])
+            ok = gap <= 2.0 and p["precise"]["hit_rate"] > p["cache_aware"]["hit_rate"]
+            lines.append(f"target ({name}): {TARGETS['precise']}: {gap:.1f} points below the best, "
+                         f"{100 * (p['precise']['hit_rate'] - p['cache_aware']['hit_rate']):+.1f} against "
+                         f"cache_aware: {verdict(ok)}")
+        skews = [r["skew"] for r in p.values() if r.get("skew") is not None]
+        if skews:
+            worst = max(skews)
+            lines.append(f"target ({name}): {TARGETS['skew']} ({section['balance_rel_threshold']:g}): worst "
+                         f"{worst:.2f}: {verdict(worst <= section['balance_rel_threshold'])}")
+    return lines
