@@ -21,7 +21,8 @@ import shutil
 import tempfile
 
 from kvserve.bench.engine_flags import engine_flags
-from kvserve.bench.scale_disagg import DisaggPlan, interference_run, run_disaggregated, run_transfer, start_pools
+from kvserve.bench.scale_disagg import (DisaggPlan, fit_context, interference_run, run_disaggregated, run_transfer,
+                                        start_pools)
 from kvserve.bench.scale_procs import Fleet
 from kvserve.bench.scale_report import TARGETS, routing_lines, verdict
 from kvserve.bench.scale_routing import POLICIES, RoutingPlan, run_routing
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         with Fleet(log_dir) as fleet:
             if "a" in sections:
                 one = fleet.serve("colocated", [*flags, "--num-threads", "2"])
+                fit_context(plan, one.url)
                 report["a"] = {"colocated": interference_run(one.url, plan, tag=0)}
                 fleet.stop(one)
             if "a" in sections or "c" in sections:
@@ -135,6 +137,8 @@ def format_report(report: dict) -> list[str]:
             lines.append(f"{layout:<16}{r['itl']['median_ms']:>7.0f}ms{r['itl']['p99_ms']:>6.0f}ms"
                          f"{r['itl_no_prefill']['p99_ms']:>14.0f}ms{r['itl_p99_ratio']:>10.2f}x"
                          f"{r['long_ttft']['median_ms']:>9.0f}ms")
+            if r.get("failed"):
+                lines.append(f"  {r['failed']} request(s) failed: {'; '.join(r['errors'])}")
         dis = report["a"].get("disaggregated", {})
         ok = None if "skipped" in dis else dis["itl_p99_ratio"] <= 1.2
         lines.append(f"target: {TARGETS['itl_p99']}: {verdict(ok)}")

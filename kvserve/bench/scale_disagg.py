@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvserve.bench.scale_procs import Fleet, command_exists, scrape, stream
+from kvserve.bench.scale_procs import Fleet, command_exists, max_model_len, scrape, stream
 from kvserve.bench.scale_report import ratio, transfer_share
 from kvserve.bench.serve import _stats
 from kvserve.bench.workload import WorkloadRequest, load_workload
@@ -39,6 +39,11 @@ class DisaggPlan:
     extra_config: dict = field(default_factory=dict)
     storage_dir: str = ""
     transfer_repeats: int = 3
+    max_prompt_tokens: int | None = None
+    """Longest prompt the instances take (a long prompt is cut to it: a small model's context may be short)."""
+
+    def fit(self, ids: list[int]) -> list[int]:
+        return ids if self.max_prompt_tokens is None else ids[:self.max_prompt_tokens]
 
     def transfer_config(self, role: str) -> str:
         extra = dict(self.extra_config)
@@ -50,7 +55,8 @@ class DisaggPlan:
         """(short decode-heavy requests at t=0, long prompts arriving later)."""
         requests = load_workload("interference")
         short = [r for r in requests if r.arrival_s == 0]
-        long = [r for r in requests if r.arrival_s > 0]
+        long = [dataclasses.replace(r, prompt_token_ids=self.fit(r.prompt_token_ids))
+                for r in requests if r.arrival_s > 0]
         if self.quick:
             short = [dataclasses.replace(r, max_tokens=96) for r in short[:8]]
             long = long[:1]
@@ -92,7 +98,13 @@ def start_pools(fleet: Fleet, serve_flags: list[str], plan: DisaggPlan, cores: l
                                       plan.transfer_config("kv_producer")], cores=cores[0])
     decode = fleet.serve("decode", [*serve_flags, "--num-threads", "1", "--kv-transfer-config",
                                     plan.transfer_config("kv_consumer")], cores=cores[1])
+    fit_context(plan, decode.url)
     return prefill, decode
+
+
+def fit_context(plan: DisaggPlan, url: str) -> None:
+    """Cut long prompts to the instance's context, leaving room for the run's tag and the outputs."""
+    plan.max_prompt_tokens = min(plan.max_prompt_tokens or 10 ** 9, max_model_len(url) - 64)
 
 
 def run_disaggregated(fleet: Fleet, prefill_url: str, decode_url: str, plan: DisaggPlan, tag: int) -> dict:
@@ -129,7 +141,7 @@ async def _ttft(url: str, prompt: list[int]) -> float:
 
 
 def run_transfer(prefill_url: str, decode_url: str, plan: DisaggPlan, block_size: int) -> dict:
-    long = max(load_workload("interference"), key=lambda r: len(r.prompt_token_ids)).prompt_token_ids
+    long = plan.fit(max(load_workload("interference"), key=lambda r: len(r.prompt_token_ids)).prompt_token_ids)
     rows = []
     for i in range(plan.transfer_repeats):
         moved = [_TAG_BASE + 500 + 2 * i, *long[1:]]

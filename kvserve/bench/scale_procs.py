@@ -100,6 +100,10 @@ def command_exists(*words: str) -> str | None:
     return lines[-1] if lines else f"exit status {done.returncode}"
 
 
+def max_model_len(url: str) -> int:
+    return int(httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["max_model_len"])
+
+
 def scrape(url: str) -> dict[str, float]:
     """Every sample of a server's /metrics, summed over labels, by sample name."""
     from prometheus_client.parser import text_string_to_metric_families

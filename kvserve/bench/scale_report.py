@@ -125,6 +125,8 @@ def routing_lines(section: dict) -> list[str]:
             lines.append(f"{name:<8}{policy:<24}{100 * r['hit_rate']:>8.1f}%{100 * best:>6.1f}%"
                          f"{r['ttft']['median_ms']:>8.0f}ms{r['ttft']['p99_ms']:>6.0f}ms"
                          f"{'' if skew is None else f'{skew:.2f}':>7}")
+            if r.get("failed"):
+                lines.append(f"  {r['failed']} request(s) failed: {'; '.join(r['errors'])}")
         if not w["capacity_ok"]:
             lines.append(f"  ({name}: the blocks to hold exceed the replicas' capacity: the best is optimistic)")
     for name, w in section["workloads"].items():
