@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from kvserve.bench.workload import WORKLOAD_DIR, WorkloadRequest, load_workload
+from kvserve.bench.workload import WORKLOAD_DIR, WorkloadRequest, load_workload, read_jsonl
 
 GROUPS_FILE = os.path.join(WORKLOAD_DIR, "groups.jsonl")
 CHAT_FILE = os.path.join(WORKLOAD_DIR, "chat.jsonl")
@@ -52,19 +52,11 @@ def load_groups(num_groups: int | None = None, per_group: int | None = None,
 
 def load_chat(num_conversations: int | None = None, turns: int | None = None,
               path: str = CHAT_FILE) -> list[ChatRequest]:
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                r = ChatRequest(str(item["id"]), int(item["conversation"]), int(item["turn"]),
-                                list(item["messages"]), int(item["max_tokens"]), bool(item.get("ignore_eos", True)))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{n}: not a chat workload request ({e})") from None
-            if (num_conversations is None or r.conversation < num_conversations) and (turns is None or r.turn < turns):
-                out.append(r)
+    requests = read_jsonl(path, "chat workload request", lambda n, item: ChatRequest(
+        str(item["id"]), int(item["conversation"]), int(item["turn"]), list(item["messages"]),
+        int(item["max_tokens"]), bool(item.get("ignore_eos", True))))
+    out = [r for r in requests if (num_conversations is None or r.conversation < num_conversations)
+           and (turns is None or r.turn < turns)]
     if not out:
         raise ValueError(f"{path}: no requests")
     return out

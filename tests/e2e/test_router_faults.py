@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from tests.helpers.fake_worker import FakeWorker
-from tests.helpers.router import start_router, wait_until
-from tests.helpers.server import metric, start_server, stop_server, wait_idle
+from tests.helpers.router import start_router, start_workers, wait_until
+from tests.helpers.server import metric, stop_server, wait_idle
 
 FAST_HEALTH = ("--health-check-interval-secs", "0.1", "--health-check-timeout-secs", "0.5",
                "--health-failure-threshold", "2", "--health-success-threshold", "2")
@@ -88,10 +88,7 @@ def _inside_window(counts: list[int], abs_threshold: int, rel_threshold: float) 
 
 @pytest.fixture(scope="module")
 def replicas(tiny_llama, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("replicas")
-    with ThreadPoolExecutor(2) as pool:
-        servers = list(pool.map(lambda i: start_server(tiny_llama[0], logs / f"r{i}.log", *EVENTS, timeout=120),
-                                range(2)))
+    servers = start_workers(tiny_llama[0], tmp_path_factory.mktemp("replicas"), 2, *EVENTS)
     yield servers
     for srv in servers:
         assert stop_server(srv) == 0, srv.log()
