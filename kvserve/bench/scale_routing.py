@@ -32,7 +32,7 @@ class RoutingPlan:
     quick: bool
     block_size: int
     concurrency: int = 4
-    balance_abs_threshold: int = 64
+    balance_abs_threshold: int = 1
     balance_rel_threshold: float = 1.5
 
     def groups(self) -> list[WorkloadRequest]:
@@ -85,15 +85,17 @@ def _waves(name: str, plan: RoutingPlan, tag: int) -> list[list[tuple[str, dict]
 
 def _prompt_ids(name: str, plan: RoutingPlan, keys, tag: int) -> list[list[int]]:
     """The token ids each request's prompt will have on the replica."""
-    waves = _waves(name, plan, tag)
-    return [body["prompt"] if path == "/v1/completions" else keys.key(path, body).token_ids
-            for wave in waves for path, body in wave]
+    ids = [body["prompt"] if path == "/v1/completions" else keys.key(path, body).token_ids
+           for wave in _waves(name, plan, tag) for path, body in wave]
+    if any(i is None for i in ids):
+        raise ValueError("the model's tokenizer cannot render the chat workload (no chat template?)")
+    return ids
 
 
 def measure(url: str, replicas: list[str], name: str, plan: RoutingPlan, tag: int, router: str | None) -> dict:
-    """One workload through `url`; hit rate from the replicas' counters, skew from the router's counts. Also the
-    prompt tokens the replicas were asked for: unlike the best's, when the router's chat keys are not the
-    replicas' prompts."""
+    """One workload through `url`; hit rate from the replicas' counters, skew from the router's counts.
+    `query_tokens` (the prompt tokens the replicas looked up) differs from the best's when the chat prompts the
+    router keys on are not the ones the replicas run."""
     before = [scrape(r) for r in replicas]
     counts_before = _router_counts(router)
     results = asyncio.run(_send_all(url, _waves(name, plan, tag), plan.concurrency))
