@@ -153,6 +153,8 @@ def format_report(report: dict) -> list[str]:
                   f"transfer (save {1000 * c['save_s']:.0f} ms + load {1000 * c['load_s']:.0f} ms, an upper bound) "
                   f"is {100 * c['share']:.1f}% of the disaggregated TTFT; {per_token}/token written "
                   f"(the KV pool holds {pool}/token)",
+                  f"the decode instance took {c['loaded_tokens']} of the {c['prompt_tokens']} prompt tokens "
+                  f"from the connector (usage's cached_tokens, the fewest of {len(c['runs'])} runs)",
                   f"target: {TARGETS['transfer']}: {verdict(c['share'] <= 0.05)}"]
     if "b" in report:
         b = report["b"]

@@ -132,12 +132,12 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-async def _ttft(url: str, prompt: list[int]) -> float:
+async def _probe(url: str, prompt: list[int]):
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(1800.0)) as client:
         result = await stream(client, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
     if not result.ok:
         raise RuntimeError(f"the transfer probe failed at {url}: {result.error}")
-    return result.ttft_s
+    return result
 
 
 def run_transfer(prefill_url: str, decode_url: str, plan: DisaggPlan, block_size: int) -> dict:
@@ -147,12 +147,13 @@ def run_transfer(prefill_url: str, decode_url: str, plan: DisaggPlan, block_size
         moved = [_TAG_BASE + 500 + 2 * i, *long[1:]]
         computed = [_TAG_BASE + 501 + 2 * i, *long[1:]]
         before = _dir_bytes(plan.storage_dir) if plan.storage_dir else 0
-        produce = asyncio.run(_ttft(prefill_url, moved))
+        produce = asyncio.run(_probe(prefill_url, moved))
         written = (_dir_bytes(plan.storage_dir) - before) if plan.storage_dir else None
-        consume = asyncio.run(_ttft(decode_url, moved))
-        compute = asyncio.run(_ttft(decode_url, computed))
-        rows.append({"producer_ttft_s": produce, "consumer_ttft_s": consume, "compute_ttft_s": compute,
-                     "bytes_written": written})
+        consume = asyncio.run(_probe(decode_url, moved))
+        compute = asyncio.run(_probe(decode_url, computed))
+        rows.append({"producer_ttft_s": produce.ttft_s, "consumer_ttft_s": consume.ttft_s,
+                     "compute_ttft_s": compute.ttft_s, "bytes_written": written,
+                     "loaded_tokens": consume.cached_tokens})
     med = {k: statistics.median(r[k] for r in rows) for k in ("producer_ttft_s", "consumer_ttft_s", "compute_ttft_s")}
     share = transfer_share(med["producer_ttft_s"], med["compute_ttft_s"], med["consumer_ttft_s"])
     stored_tokens = (len(long) // block_size) * block_size
@@ -162,4 +163,4 @@ def run_transfer(prefill_url: str, decode_url: str, plan: DisaggPlan, block_size
     return {"prompt_tokens": len(long), "runs": rows, **med, **share,
             "bytes_per_token": statistics.median(written) / stored_tokens if written else None,
             "pool_bytes_per_token": pool.get("kvserve:kv_cache_memory_bytes", 0.0) / pool_tokens if pool_tokens else None,
-            "loaded_faster": med["consumer_ttft_s"] < med["compute_ttft_s"]}
+            "loaded_tokens": min((r["loaded_tokens"] or 0) for r in rows)}

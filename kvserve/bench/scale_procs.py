@@ -122,11 +122,13 @@ class Timing:
     ttft_s: float = 0.0
     itls_s: list[float] = field(default_factory=list)
     error: str | None = None
+    cached_tokens: int | None = None
+    """The prompt tokens the server did not compute (its prefix cache, or a KV connector's load), from usage."""
 
 
 async def stream(client: httpx.AsyncClient, path: str, body: dict) -> Timing:
     """POST a streamed completion or chat; time its first token and the gaps between the next ones."""
-    body = {**body, "stream": True, "temperature": 0.0}
+    body = {**body, "stream": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
     result = Timing(ok=False)
     num = 0
@@ -143,6 +145,8 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict) -> Timing:
                 if "error" in chunk:
                     result.error = str(chunk["error"])
                     return result
+                if chunk.get("usage"):
+                    result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 # NOTE: a chat stream opens with a role-only delta before any token: not a token
                 if chunk.get("choices") and "role" not in (chunk["choices"][0].get("delta") or {}):
                     now = time.perf_counter()

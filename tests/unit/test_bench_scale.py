@@ -127,3 +127,12 @@ def test_flags_are_checked():
                 ["--concurrency", "0"]):
         with pytest.raises(ValueError):
             _parse(parser.parse_args(bad))
+
+
+def test_report_of_the_transfer_section():
+    c = {"prompt_tokens": 2000, "producer_ttft_s": 1.1, "consumer_ttft_s": 0.05, "compute_ttft_s": 1.0,
+         "runs": [{}] * 3, "bytes_per_token": 47000.0, "pool_bytes_per_token": 46080.0, "loaded_tokens": 1984,
+         **transfer_share(1.1, 1.0, 0.05)}
+    text = "\n".join(format_report({"quick": False, "pinning": "pinned", "c": c}))
+    assert "13.0% of the disaggregated TTFT" in text and "47000 B/token written" in text
+    assert "took 1984 of the 2000 prompt tokens" in text and "<= 5% of TTFT for a 2k-token prompt: NOT met" in text
