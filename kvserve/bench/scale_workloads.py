@@ -1,8 +1,8 @@
 """The routing workloads of `kvserve bench scale` (section b), packaged as workloads/groups.jsonl and chat.jsonl.
 
     groups   G groups of R completions: each group's prompts share a long prefix (token ids cut from the
-             `mixed` workload's text), then a suffix of their own; sent interleaved across the groups, so a
-             cache too small for every group's prefix evicts them in turn (LRU's worst case)
+             `mixed` workload's text), then a suffix of their own; sent in rounds of one request per group
+             (each round in its own order), so a cache too small for every group's prefix evicts them in turn
     chat     C conversations of T turns sharing one system prompt; turn t repeats turns 1..t-1 (their
              assistant answers fixed in the file, as a recorded chat replays) and adds a user message
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import dataclass
 
 from kvserve.bench.workload import WORKLOAD_DIR, WorkloadRequest, load_workload, read_jsonl
@@ -66,12 +67,20 @@ def _token_stream() -> list[int]:
     return [t for r in load_workload("mixed") for t in r.prompt_token_ids]
 
 
+def _round_order(n: int, round_index: int) -> list[int]:
+    """0..n-1 in an order of this round's own: in a fixed order, round robin over an even number of replicas would
+    send each group (or conversation) to the same replica every time, an affinity by accident."""
+    order = list(range(n))
+    random.Random(round_index).shuffle(order)
+    return order
+
+
 def make_groups(tokenizer) -> list[dict]:
     stream = _token_stream()
     step = len(stream) // (_GROUPS + 1)
     rows = []
     for i in range(_PER_GROUP):
-        for g in range(_GROUPS):
+        for g in _round_order(_GROUPS, i):
             prefix = stream[g * step:g * step + _PREFIX_TOKENS]
             start = g * step + _PREFIX_TOKENS + 500 + 40 * i  # a suffix from text no prefix holds
             suffix = stream[start:start + 32 + (7 * i + 5 * g) % 33]
@@ -97,7 +106,8 @@ def make_chat(tokenizer) -> list[dict]:
                          "max_tokens": _CHAT_OUTPUT_TOKENS, "ignore_eos": True})
             messages = messages + [{"role": "assistant", "content": text(c * _TURNS + t + 31, 40)}]
     # NOTE: turn by turn across the conversations, as users take turns: the order the bench sends them
-    return sorted(rows, key=lambda r: (r["turn"], r["conversation"]))
+    orders = {t: _round_order(_CONVERSATIONS, t) for t in range(_TURNS)}
+    return sorted(rows, key=lambda r: (r["turn"], orders[r["turn"]].index(r["conversation"])))
 
 
 def main() -> int:

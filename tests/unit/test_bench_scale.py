@@ -77,12 +77,16 @@ def test_transfer_share_counts_the_save_and_the_load():
 def test_the_packaged_workloads():
     groups = load_groups()
     assert len(groups) == 64 and len({group_of(r) for r in groups}) == 8
-    assert [group_of(r) for r in groups[:8]] == list(range(8))  # interleaved: LRU's worst order
+    rounds = [[group_of(r) for r in groups[i:i + 8]] for i in range(0, 64, 8)]
+    assert all(sorted(r) == list(range(8)) for r in rounds) and len({tuple(r) for r in rounds}) > 1
+    # round robin over 2 replicas sends some group to both
+    assert any(len({i % 2 for i, r in enumerate(groups) if group_of(r) == g}) == 2 for g in range(8))
     assert len(load_groups(4, 4)) == 16
     best = best_hit_rate([r.prompt_token_ids for r in groups], 16, 2)
     assert best.rate > 0.7
     chat = load_chat()
     assert len(chat) == 32 and [r.turn for r in chat[:8]] == [0] * 8
+    assert [r.conversation for r in chat[:8]] != [r.conversation for r in chat[8:16]]
     last = max((r for r in chat if r.conversation == 0), key=lambda r: r.turn)
     first = min((r for r in chat if r.conversation == 0), key=lambda r: r.turn)
     assert last.messages[:len(first.messages)] == first.messages  # a turn repeats the ones before it
