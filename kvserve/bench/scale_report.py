@@ -3,7 +3,7 @@ measured one from the replicas' counters, load skew, the KV transfer's share of 
 with the issue's targets beside the figures.
 
 Best possible hit rate: one block of a prompt (its chained hash, as the engine keys it) can be a hit for every
-request that holds it except the first on each replica that must hold it. A prefix used by a share f of the
+request that holds it except the first on each replica that must hold it (in the workload's order). A prefix used by a share f of the
 requests must be held by ceil(f x R) replicas (at most R): past 1/R of the traffic, one replica cannot take every
 request that wants it and stay inside a balanced load. Hits are counted as the engine counts them: at most
 (prompt length - 1) // block_size blocks of a prompt (its last token is always computed), in tokens, over the
@@ -39,15 +39,15 @@ class BestHitRate:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-def _hittable_hashes(ids: list[int], block_size: int) -> list[int]:
-    """The hashes of the blocks of a prompt the engine can take from its cache (never the last token's)."""
-    return [hash_block_key(k) for k in block_keys(ids[:((len(ids) - 1) // block_size) * block_size], block_size)]
+def _full_hashes(ids: list[int], block_size: int) -> list[int]:
+    """The hashes of a prompt's full blocks: what computing it leaves in the cache."""
+    return [hash_block_key(k) for k in block_keys(ids, block_size)]
 
 
 def _block_counts(prompts: list[list[int]], block_size: int) -> Counter:
     counts: Counter = Counter()
     for ids in prompts:
-        counts.update(_hittable_hashes(ids, block_size))
+        counts.update(_full_hashes(ids, block_size))
     return counts
 
 
@@ -57,7 +57,7 @@ def max_private_tokens(prompts: list[list[int]], block_size: int) -> int:
     out = 0
     for ids in prompts:
         shared = 0
-        for h in _hittable_hashes(ids, block_size):
+        for h in _full_hashes(ids, block_size):
             if counts[h] < 2:
                 break
             shared += 1
@@ -66,13 +66,19 @@ def max_private_tokens(prompts: list[list[int]], block_size: int) -> int:
 
 
 def best_hit_rate(prompts: list[list[int]], block_size: int, num_replicas: int) -> BestHitRate:
+    """In workload order: a block's first appearances, one per replica that must hold it, compute it (a prompt's
+    last full block included: the next prompt may hit it); every later appearance in the blocks a prompt can
+    take from the cache is a hit."""
     counts = _block_counts(prompts, block_size)
-    n = len(prompts)
-    hits, held = 0, 0
-    for count in counts.values():
-        replicas = min(num_replicas, math.ceil(count * num_replicas / n))
-        hits += count - replicas
-        held += replicas if count > 1 else 0
+    holders = {h: min(num_replicas, math.ceil(c * num_replicas / len(prompts))) for h, c in counts.items()}
+    seen: Counter = Counter()
+    hits = 0
+    for ids in prompts:
+        hittable = (len(ids) - 1) // block_size
+        for j, h in enumerate(_full_hashes(ids, block_size)):
+            seen[h] += 1
+            hits += j < hittable and seen[h] > holders[h]
+    held = sum(holders[h] for h, c in counts.items() if c > 1)
     return BestHitRate(hits * block_size, sum(len(p) for p in prompts), held)
 
 

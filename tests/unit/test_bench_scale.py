@@ -35,6 +35,11 @@ def test_groups_that_each_take_a_quarter_of_the_traffic_need_one_replica_each():
     assert best == best_hit_rate(prompts, BS, num_replicas=1)
 
 
+def test_a_prompts_last_full_block_is_cached_for_the_next_one():
+    first = list(range(8))  # its second block is computed (the last token must be), then cached
+    assert best_hit_rate([first, first + [50, 51, 52]], BS, 1).hit_tokens == 2 * BS
+
+
 def test_the_last_token_is_never_a_hit_and_unique_prompts_hit_nothing():
     exact = list(range(8))  # 2 full blocks: only the first is hittable (the last token is computed)
     assert best_hit_rate([exact, exact], BS, 1).hit_tokens == BS
