@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in flight: every request sharing a system prompt would go to one replica)")
     parser.add_argument("--balance-rel-threshold", type=float, default=1.5, help="the router's, section b")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight in section b")
+    parser.add_argument("--replica-kv-share", type=float, default=0.5,
+                        help="section b: each replica's KV blocks, as a share of the blocks the groups workload "
+                             "reuses (plus room for the requests in flight); below 0.5 even the best placement evicts")
     parser.add_argument("--log-dir", default=None, help="keep every process's log here")
     EngineArgs.add_cli_args(parser.add_argument_group("engine (every instance)"))
 
@@ -60,6 +63,8 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
         raise ValueError(f"--policies must name router policies, got {args.policies!r}")
     if args.concurrency < 1 or args.balance_abs_threshold < 0 or args.balance_rel_threshold < 1:
         raise ValueError("--concurrency must be >= 1, --balance-abs-threshold >= 0, --balance-rel-threshold >= 1")
+    if not 0 < args.replica_kv_share <= 1:
+        raise ValueError(f"--replica-kv-share must be in (0, 1], got {args.replica_kv_share}")
     try:
         extra = json.loads(args.kv_connector_extra_config) if args.kv_connector_extra_config else {}
     except json.JSONDecodeError as e:
@@ -114,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
                 fleet.stop(decode)
             if "b" in sections:
                 rplan = RoutingPlan(args.quick, engine_args.block_size, args.concurrency,
-                                    args.balance_abs_threshold, args.balance_rel_threshold)
+                                    args.balance_abs_threshold, args.balance_rel_threshold, args.replica_kv_share)
                 report["b"] = run_routing(fleet, flags, rplan, _keys(engine_args), policies, cores,
                                           log=lambda line: print(line, flush=True))
     finally:

@@ -3,8 +3,8 @@
 KV capacity: token-weighted prefix hit rate (the replicas' /metrics counters), TTFT, and load skew (the router's
 per-replica request counts), beside the best possible hit rate (scale_report.best_hit_rate).
 
-Each replica holds half the blocks the groups workload reuses, plus room for the requests in flight: one replica
-cannot keep every group's prefix, two can. The replicas are started once; each run prefixes its prompts
+Each replica holds half the blocks the groups workload reuses (--replica-kv-share), plus room for the requests in
+flight: one replica cannot keep every group's prefix, two can. The replicas are started once; each run prefixes its prompts
 with a tag of its own (a token, or a word of the system prompt), so no run hits what an earlier one cached.
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ from kvserve.bench.workload import WorkloadRequest
 
 POLICIES = ("round_robin", "cache_aware", "precise")
 EVENTS = ["--kv-events-config", '{"enable_kv_cache_events": true}']
-_CAPACITY_SHARE = 0.5
 _TAG_BASE = 1000  # ordinary tokens (low ids are special ones)
 
 
@@ -34,6 +33,9 @@ class RoutingPlan:
     concurrency: int = 4
     balance_abs_threshold: int = 1
     balance_rel_threshold: float = 1.5
+    capacity_share: float = 0.5
+    """Each replica's KV blocks: this share of the blocks the groups workload reuses (and room for requests in
+    flight); below 0.5 even the best placement evicts."""
 
     def groups(self) -> list[WorkloadRequest]:
         return load_groups(4, 4) if self.quick else load_groups()
@@ -42,12 +44,13 @@ class RoutingPlan:
         return load_chat(4, 3) if self.quick else load_chat()
 
 
-def replica_blocks(prompts: list[list[int]], max_tokens: int, block_size: int, concurrency: int) -> int:
+def replica_blocks(prompts: list[list[int]], max_tokens: int, block_size: int, concurrency: int,
+                   share: float = 0.5) -> int:
     """KV blocks per replica: a share of the blocks the workload reuses, and room for the requests in flight (each
     its own part of the prompt, its output and a partial block)."""
     reused = best_hit_rate(prompts, block_size, 1).blocks_to_hold
     per_request = -(-(max_private_tokens(prompts, block_size) + max_tokens) // block_size) + 1
-    return math.ceil(_CAPACITY_SHARE * reused) + concurrency * per_request
+    return math.ceil(share * reused) + concurrency * per_request
 
 
 def _tagged_completion(r: WorkloadRequest, tag: int) -> tuple[str, dict]:
@@ -121,7 +124,7 @@ def run_routing(fleet: Fleet, serve_flags: list[str], plan: RoutingPlan, keys, p
                 cores: list[set[int] | None] = (None, None), log=print) -> dict:
     prompts = {name: _prompt_ids(name, plan, keys, 0) for name in ("groups", "chat")}
     blocks = replica_blocks(prompts["groups"], max(r.max_tokens for r in plan.groups()), plan.block_size,
-                            plan.concurrency)
+                            plan.concurrency, plan.capacity_share)
     section = {"replica_blocks": blocks, "block_size": plan.block_size, "concurrency": plan.concurrency,
                "balance_rel_threshold": plan.balance_rel_threshold, "workloads": {}}
     for name, ids in prompts.items():

@@ -58,6 +58,7 @@ def test_replica_blocks_hold_half_the_reused_blocks_and_the_requests_in_flight()
     prompts = [p + [g * 100 + 90 + i, 7] for g, p in enumerate(prefixes) for i in range(2)]
     # 8 reused blocks per replica; in flight: 2 private tokens + 3 output tokens -> 2 blocks, + 1 partial
     assert replica_blocks(prompts, 3, BS, concurrency=2) == 8 + 2 * 3
+    assert replica_blocks(prompts, 3, BS, concurrency=2, share=0.25) == 4 + 2 * 3
 
 
 def test_measured_hit_rate_is_token_weighted_over_replicas():
@@ -133,7 +134,7 @@ def test_flags_are_checked():
     assert _parse(parser.parse_args([]))[0] == list(SECTIONS)
     assert _parse(parser.parse_args(["--sections", "b"]))[:2] == (["b"], ["round_robin", "cache_aware", "precise"])
     for bad in (["--sections", "x"], ["--policies", "nope"], ["--kv-connector-extra-config", "[1]"],
-                ["--concurrency", "0"]):
+                ["--concurrency", "0"], ["--replica-kv-share", "0"]):
         with pytest.raises(ValueError):
             _parse(parser.parse_args(bad))
 
