@@ -7,8 +7,8 @@ request that holds it except the first on each replica that must hold it (in the
 requests must be held by ceil(f x R) replicas (at most R): past 1/R of the traffic, one replica cannot take every
 request that wants it and stay inside a balanced load. Hits are counted as the engine counts them: at most
 (prompt length - 1) // block_size blocks of a prompt (its last token is always computed), in tokens, over the
-prompt tokens queried. When the blocks the replicas must hold exceed their capacity the bound is optimistic,
-and the report says so.
+prompt tokens queried. When the blocks the replicas must hold exceed their capacity, only the blocks worth the
+most hits per block stay (a static placement; a cache that turns over at the right moments could do better).
 """
 from __future__ import annotations
 
@@ -65,21 +65,42 @@ def max_private_tokens(prompts: list[list[int]], block_size: int) -> int:
     return out
 
 
-def best_hit_rate(prompts: list[list[int]], block_size: int, num_replicas: int) -> BestHitRate:
+def best_hit_rate(prompts: list[list[int]], block_size: int, num_replicas: int,
+                  capacity_blocks: int | None = None) -> BestHitRate:
     """In workload order: a block's first appearances, one per replica that must hold it, compute it (a prompt's
     last full block included: the next prompt may hit it); every later appearance in the blocks a prompt can
-    take from the cache is a hit."""
+    take from the cache is a hit. capacity_blocks (all replicas together, past what requests in flight hold):
+    when the reused blocks need more, only those worth the most hits per block held stay, parents before their
+    children (a static placement: the bound for a cache that never turns over)."""
     counts = _block_counts(prompts, block_size)
     holders = {h: min(num_replicas, math.ceil(c * num_replicas / len(prompts))) for h, c in counts.items()}
+    kept = _kept(prompts, block_size, counts, holders, capacity_blocks)
     seen: Counter = Counter()
     hits = 0
     for ids in prompts:
         hittable = (len(ids) - 1) // block_size
         for j, h in enumerate(_full_hashes(ids, block_size)):
             seen[h] += 1
-            hits += j < hittable and seen[h] > holders[h]
-    held = sum(holders[h] for h, c in counts.items() if c > 1)
+            hits += j < hittable and seen[h] > holders[h] and h in kept
+    held = sum(holders[h] for h in kept)
     return BestHitRate(hits * block_size, sum(len(p) for p in prompts), held)
+
+
+def _kept(prompts, block_size, counts, holders, capacity_blocks) -> set[int]:
+    first_seen: dict[int, int] = {}
+    for ids in prompts:
+        for j, h in enumerate(_full_hashes(ids, block_size)):
+            first_seen.setdefault(h, j)
+    reused = sorted((h for h, c in counts.items() if c > 1),
+                    key=lambda h: (-(counts[h] - holders[h]) / holders[h], first_seen[h]))
+    if capacity_blocks is None:
+        return set(reused)
+    kept, used = set(), 0
+    for h in reused:
+        if used + holders[h] <= capacity_blocks:
+            kept.add(h)
+            used += holders[h]
+    return kept
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -134,7 +155,8 @@ def routing_lines(section: dict) -> list[str]:
             if r.get("failed"):
                 lines.append(f"  {r['failed']} request(s) failed: {'; '.join(r['errors'])}")
         if not w["capacity_ok"]:
-            lines.append(f"  ({name}: the blocks to hold exceed the replicas' capacity: the best is optimistic)")
+            lines.append(f"  ({name}: the reused blocks exceed the replicas' cache: the best keeps those worth the most "
+                         "hits, a static placement)")
     for name, w in section["workloads"].items():
         p = w["policies"]
         if "precise" in p and "cache_aware" in p:

@@ -44,13 +44,17 @@ class RoutingPlan:
         return load_chat(4, 3) if self.quick else load_chat()
 
 
+def cache_blocks(prompts: list[list[int]], block_size: int, share: float = 0.5) -> int:
+    """The share of the blocks the workload reuses that each replica keeps."""
+    return math.ceil(share * best_hit_rate(prompts, block_size, 1).blocks_to_hold)
+
+
 def replica_blocks(prompts: list[list[int]], max_tokens: int, block_size: int, concurrency: int,
                    share: float = 0.5) -> int:
-    """KV blocks per replica: a share of the blocks the workload reuses, and room for the requests in flight (each
-    its own part of the prompt, its output and a partial block)."""
-    reused = best_hit_rate(prompts, block_size, 1).blocks_to_hold
+    """KV blocks per replica: cache_blocks, and room for the requests in flight (each its own part of the prompt,
+    its output and a partial block)."""
     per_request = -(-(max_private_tokens(prompts, block_size) + max_tokens) // block_size) + 1
-    return math.ceil(share * reused) + concurrency * per_request
+    return cache_blocks(prompts, block_size, share) + concurrency * per_request
 
 
 def _tagged_completion(r: WorkloadRequest, tag: int) -> tuple[str, dict]:
@@ -127,12 +131,13 @@ def run_routing(fleet: Fleet, serve_flags: list[str], plan: RoutingPlan, keys, p
                             plan.concurrency, plan.capacity_share)
     section = {"replica_blocks": blocks, "block_size": plan.block_size, "concurrency": plan.concurrency,
                "balance_rel_threshold": plan.balance_rel_threshold, "workloads": {}}
+    cache = 2 * cache_blocks(prompts["groups"], plan.block_size, plan.capacity_share)
     for name, ids in prompts.items():
-        best = best_hit_rate(ids, plan.block_size, 2)
-        section["workloads"][name] = {"requests": len(ids), "best_hit_rate": best.rate,
-                                      "query_tokens": best.query_tokens,
-                                      "best_one_engine": best_hit_rate(ids, plan.block_size, 1).rate,
-                                      "capacity_ok": best.blocks_to_hold <= 2 * blocks, "policies": {}}
+        best = best_hit_rate(ids, plan.block_size, 2, cache)
+        section["workloads"][name] = {
+            "requests": len(ids), "best_hit_rate": best.rate, "query_tokens": best.query_tokens,
+            "best_one_engine": best_hit_rate(ids, plan.block_size, 1, cache).rate,
+            "capacity_ok": best_hit_rate(ids, plan.block_size, 2).blocks_to_hold <= cache, "policies": {}}
     replicas = [fleet.serve(f"replica{i}", [*serve_flags, "--num-threads", "1", "--num-gpu-blocks-override",
                                             str(blocks), *EVENTS], cores=cores[i]) for i in range(2)]
     urls = [r.url for r in replicas]

@@ -46,6 +46,16 @@ def test_the_last_token_is_never_a_hit_and_unique_prompts_hit_nothing():
     assert best_hit_rate([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], BS, 1).hit_tokens == 0
 
 
+def test_a_cache_too_small_keeps_the_blocks_worth_the_most_hits():
+    hot = [list(range(100, 108)) + [i] for i in range(5)]     # 2 blocks, used 5 times
+    cold = [list(range(200, 208)) + [i] for i in range(2)]    # 2 blocks, used twice
+    prompts = hot + cold
+    assert best_hit_rate(prompts, BS, 1).hit_tokens == (4 + 1) * 2 * BS
+    small = best_hit_rate(prompts, BS, 1, capacity_blocks=2)
+    assert small.hit_tokens == 4 * 2 * BS and small.blocks_to_hold == 2
+    assert best_hit_rate(prompts, BS, 1, capacity_blocks=1).hit_tokens == 4 * BS  # the parent, not its child
+
+
 def test_private_tokens_are_past_the_shared_blocks():
     prefix = list(range(100, 108))
     prompts = [prefix + list(range(i * 10, i * 10 + 6)) for i in range(3)]
