@@ -37,6 +37,8 @@ _BENCH = {
                  "prefill, prefix and prompt caching, speculation, multi-LoRA, MoE), each row measured in one run"),
     "startup": ("kvserve.bench.startup", "start `kvserve serve` N times: where the start-up seconds go (import, weights, "
                 "kernels, tokenizer, ..., first token)"),
+    "scale": ("kvserve.bench.scale", "scaling out, same run: colocated vs disaggregated prefill/decode (ITL, TTFT, KV "
+              "transfer) and router policies' prefix hit rate against the best possible, against one 2-thread engine"),
     "moe": ("kvserve.bench.moe", "one MoE layer (Qwen3-30B-A3B's shape): kvserve's expert paths vs transformers' eager block, same run"),
 }
 

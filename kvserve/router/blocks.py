@@ -33,6 +33,7 @@ class WorkerBlocks:
     next_seq: int = 0
     pending: dict[int, float] = field(default_factory=dict)
     """Hashes of blocks a dispatched request will store -> when to stop expecting them (time.monotonic)."""
+    _prune_at: float = field(default=0.0, repr=False)
 
     def clear(self) -> None:
         self.hashes.clear()
@@ -64,6 +65,11 @@ class WorkerBlocks:
 
     def expect(self, block_hashes: list[int], now: float) -> None:
         """A request holding these blocks was sent here: count them as held until its events arrive."""
+        if now >= self._prune_at:
+            # NOTE: blocks whose events never come (an aborted request, a prompt the worker tokenized otherwise)
+            # would otherwise stay here for the router's life
+            self.pending = {h: t for h, t in self.pending.items() if t > now}
+            self._prune_at = now + PENDING_TTL_S
         for h in block_hashes:
             if h not in self.hashes:
                 self.pending[h] = now + PENDING_TTL_S

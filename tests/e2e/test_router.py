@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from tests.helpers.router import start_router, wait_until
+from tests.helpers.router import start_router, start_workers, wait_until
 from tests.helpers.server import start_server, stop_server
 
 EVENTS = ("--kv-events-config", '{"enable_kv_cache_events": true}')
@@ -52,10 +52,7 @@ def _answers(base_url: str, requests: list[tuple[str, dict]]) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("workers")
-    with ThreadPoolExecutor(2) as pool:
-        servers = list(pool.map(lambda i: start_server(tiny_llama[0], logs / f"w{i}.log", *EVENTS, timeout=120),
-                                range(2)))
+    servers = start_workers(tiny_llama[0], tmp_path_factory.mktemp("workers"), 2, *EVENTS)
     yield servers
     for srv in servers:
         stop_server(srv)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers.server import stop_server
+from tests.helpers.server import Server, start_server, stop_server
 
 
 @dataclass
@@ -53,6 +53,14 @@ def start_routing(args: list[str], log_path: Path, timeout: float = 60.0) -> Rou
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"router not ready after {timeout}s:\n{log_path.read_text()}")
+
+
+def start_workers(model: str, log_dir: Path, n: int, *flags: str, timeout: float = 120.0) -> list[Server]:
+    """n `kvserve serve` of one model, started at once (each logs to log_dir/w<i>.log)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: start_server(model, log_dir / f"w{i}.log", *flags, timeout=timeout), range(n)))
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:

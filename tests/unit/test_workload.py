@@ -10,7 +10,7 @@ from kvserve.bench.workload import BUILTIN_WORKLOADS, WORKLOAD_DIR, load_workloa
 
 def test_every_builtin_name_loads_its_packaged_file():
     sizes = {name: len(load_workload(name)) for name in BUILTIN_WORKLOADS}
-    assert sizes == {"mixed": 64, "prefix": 32, "interference": 18, "repeat": 16}
+    assert sizes == {"mixed": 64, "prefix": 32, "interference": 18, "repeat": 16, "groups": 64}
     assert workload_path("mixed") == os.path.join(WORKLOAD_DIR, "mixed.jsonl")
 
 
