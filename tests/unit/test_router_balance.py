@@ -112,7 +112,7 @@ class _Workers:
 
 
 def _tree_sizes(client: TestClient) -> list[int]:
-    return [tree.size for tree in client.app.state.router.policy.trees.values()]
+    return [tree.size for tree in client.app.state.router.routes[0].policy.trees.values()]
 
 
 @pytest.mark.parametrize("interval, pruned", [(0.05, True), (3600.0, False)])
