@@ -13,7 +13,8 @@ Norms, RoPE tables and the KV cache are left out: at short contexts they are a s
 an upper bound on how close the engine comes.
 
 `python -m kvserve.bench.streaming [serve flags]` prints, as JSON, the bytes per token of the model those
-flags load (`kvserve bench compare` runs it for each kvserve row) and, with --read-rate, the read rate.
+flags load (`kvserve bench compare` runs it for each kvserve row) and, with --read-rate, the read rate;
+`python -m kvserve.bench.streaming --linear-paths` times the float32 linears' two paths at decode row counts.
 """
 from __future__ import annotations
 
@@ -93,9 +94,9 @@ def read_rate(repeats: int = 3) -> float:
         return max(stream_gbps() for _ in range(repeats))
 
 
-def model_bytes_per_token(argv: list[str]) -> int:
-    """The bytes per token of the model that `kvserve serve` with these flags loads (flags the engine does not
-    take, such as --port, are ignored)."""
+def load_model(argv: list[str]) -> nn.Module:
+    """The model that `kvserve serve` with these flags loads (flags the engine does not take, such as --port, are
+    ignored)."""
     from kvserve.config import EngineArgs
     from kvserve.worker.worker import Worker
 
@@ -104,11 +105,49 @@ def model_bytes_per_token(argv: list[str]) -> int:
     args, _ = parser.parse_known_args(argv)
     worker = Worker(EngineArgs.from_cli(args).create_engine_config())
     worker.load_model()
-    return weight_bytes_per_token(worker.model)
+    return worker.model
+
+
+def model_bytes_per_token(argv: list[str]) -> int:
+    """The bytes per token of the model that `kvserve serve` with these flags loads."""
+    return weight_bytes_per_token(load_model(argv))
+
+
+def compare_linear_paths(rows: tuple[int, ...] = (1, 2, 3, 4, 8), rounds: int = 16) -> None:
+    """F.linear vs the packed path over every linear of the built-in model (weights from memory, as in decode),
+    the two alternating pass by pass: the measurement behind layers/linear_methods.OneDNNPackedMethod.GEMV_ROWS."""
+    import statistics
+    import time
+
+    import torch.nn.functional as F
+
+    from kvserve.layers.linear import LinearBase
+    from kvserve.layers.linear_methods import packed_linear
+
+    layers = [m for m in load_model(["--dtype", "float32"]).modules() if isinstance(m, LinearBase) and hasattr(m, "packed_weight")]
+    for m in rows:
+        xs = [torch.randn(m, layer.input_size) for layer in layers]
+        paths = {"F.linear": lambda: [F.linear(x, la.weight, la.bias) for la, x in zip(layers, xs)],
+                 "packed": lambda: [packed_linear(la, x) for la, x in zip(layers, xs)]}
+        seconds = {name: [] for name in paths}
+        for i in range(rounds + 1):
+            for name in (list(paths) if i % 2 else list(paths)[::-1]):
+                start = time.perf_counter()
+                paths[name]()
+                if i:  # the first round warms up
+                    seconds[name].append(time.perf_counter() - start)
+        ratios = sorted(p / d for p, d in zip(seconds["packed"], seconds["F.linear"]))
+        print(f"M={m}: F.linear {statistics.median(seconds['F.linear']) * 1e3:.1f} ms, packed "
+              f"{statistics.median(seconds['packed']) * 1e3:.1f} ms a pass; packed / F.linear per pass: median "
+              f"{statistics.median(ratios):.2f} (range {ratios[0]:.2f}-{ratios[-1]:.2f})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--linear-paths"]:
+        with torch.inference_mode():
+            compare_linear_paths()
+        return 0
     measure = "--read-rate" in argv
     argv = [a for a in argv if a != "--read-rate"]
     out = {"bytes_per_token": model_bytes_per_token(argv)}
