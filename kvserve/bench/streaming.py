@@ -2,9 +2,9 @@
 
 One decode step reads every weight the token passes through once, so a step cannot be faster than those bytes
 over the machine's read rate. The limit, in tokens per second, is read_rate / bytes_per_token:
-- bytes per token: from the loaded model, every linear layer's stored bytes as its method reads them (the
-  oneDNN-packed copy, or int8/int4 codes with their scales and mins; not the dense weight such a layer keeps
-  beside them), biases, and the LM head (its own copy or the tied embedding it multiplies by); the token
+- bytes per token: from the loaded model, every linear layer's stored bytes as its method reads them (the float32
+  weight or its oneDNN-packed copy, the same bytes; or int8/int4 codes with their scales and mins, not the dense
+  weight a layer may keep beside them), biases, and the LM head (its own copy or the tied embedding it multiplies by); the token
   embedding is not counted (a lookup reads one row). A mixture-of-experts layer counts top_k / num_experts
   of its experts' bytes (what one token's experts hold);
 - read rate: attention/microbench.stream_gbps (a sum over a tensor far past the last-level cache, every thread),
