@@ -127,8 +127,8 @@ def compare_linear_paths(rows: tuple[int, ...] = (1, 2, 3, 4, 8), rounds: int = 
     layers = [m for m in load_model(["--dtype", "float32"]).modules() if isinstance(m, LinearBase) and hasattr(m, "packed_weight")]
     for m in rows:
         xs = [torch.randn(m, layer.input_size) for layer in layers]
-        paths = {"F.linear": lambda: [F.linear(x, la.weight, la.bias) for la, x in zip(layers, xs)],
-                 "packed": lambda: [packed_linear(la, x) for la, x in zip(layers, xs)]}
+        paths = {"F.linear": lambda xs=xs: [F.linear(x, la.weight, la.bias) for la, x in zip(layers, xs)],
+                 "packed": lambda xs=xs: [packed_linear(la, x) for la, x in zip(layers, xs)]}
         seconds = {name: [] for name in paths}
         for i in range(rounds + 1):
             for name in (list(paths) if i % 2 else list(paths)[::-1]):

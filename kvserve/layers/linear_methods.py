@@ -110,7 +110,7 @@ if __name__ == "__main__":  # the per-layer measurement behind OneDNNPackedMetho
                 for layer in layers:
                     OneDNNPackedMethod().process_weights_after_loading(layer)
 
-            def one_pass():
+            def one_pass(stacks=stacks, xs=xs, name=name):
                 for layers in stacks:
                     [F.linear(x, la.weight) if name == "dense" else packed_linear(la, x) for la, x in zip(layers, xs)]
 
