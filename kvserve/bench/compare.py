@@ -35,6 +35,7 @@ from kvserve.bench.peers import PEERS, PRESETS, Peer, PeerEnv, PeerError, RunSet
     ensure_venv, expand_peers, log_tail, run_logged, server_command, thread_env
 from kvserve.bench import compare_targets
 from kvserve.bench.compare_targets import decode_tok_s, targets as _targets
+from kvserve.bench.streaming import StreamingFigure
 from kvserve.bench.workload import WORKLOAD_DIR, WorkloadRequest, load_workload
 from kvserve.utils.cpu_features import describe_isa
 from kvserve.utils.cpu_isa import ISAS, supported_isas
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
                                              for name, r in runs.items()}
         _mark_agreement(rows)
     report["roofline"] = _roofline(report, requests)
+    report["streaming"] = _streaming(report, ready)
     report["targets"] = _targets(report)
     path = args.json_path or os.path.join(peers_dir, "results", time.strftime("compare-%Y%m%d-%H%M%S.json"))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -145,14 +147,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _workload_path(name: str, directory: str, peers_dir: str) -> str:
     if name == DECODE1:
-        return _decode1_workload(os.path.join(peers_dir, "workloads"))
+        return decode1_workload(os.path.join(peers_dir, "workloads"))
     path = name if name.endswith(".jsonl") else os.path.join(directory, f"{name}.jsonl")
     if not os.path.isfile(path):
         raise ValueError(f"workload {name!r}: no file {path}")
     return path
 
 
-def _decode1_workload(directory: str) -> str:
+def decode1_workload(directory: str) -> str:
     """One chat-formatted prompt and 256 output tokens (ignore_eos), written once: single-stream decode."""
     path = os.path.join(directory, f"{DECODE1}.jsonl")
     if not os.path.isfile(path):
@@ -420,6 +422,30 @@ def _roofline(report: dict, requests: dict[str, list[WorkloadRequest]]) -> dict 
     return {"machine_gflops": machine, "kvserve_gflops": achieved, "fraction": achieved / machine}
 
 
+def _streaming(report: dict, ready: dict[str, tuple[PeerEnv, str]]) -> dict | None:
+    """decode1's kvserve rows against the weight-streaming limit (bench/streaming.py): each row's model loaded
+    with its own serve flags in an engine's environment, and the read rate measured there once."""
+    rows = report["workloads"].get(DECODE1, {})
+    names = [n for n, row in rows.items() if n in ready and PEERS[n].base == "kvserve" and not PEERS[n].baseline
+             and decode_tok_s(row)]
+    if not names:
+        return None
+    s = RunSettings(**report["settings"])
+    out: dict = {"rows": {}}
+    try:
+        for name in names:
+            env, weights = ready[name]
+            flags = server_command(PEERS[name], env, weights, 0, s)[0][4:]  # after `python -m kvserve.cli.main serve`
+            flags += [] if "read_gbps" in out else ["--read-rate"]
+            probe = _in_engine_env(f"from kvserve.bench.streaming import main; main({flags!r})", s)
+            out.setdefault("read_gbps", probe.get("read_gbps"))
+            out["rows"][name] = StreamingFigure(decode_tok_s(rows[name]), probe["bytes_per_token"],
+                                                out["read_gbps"]).as_dict()
+    except (PeerError, subprocess.TimeoutExpired, KeyError) as e:
+        print(f"[compare] weight-streaming limit not measured: {e}", file=sys.stderr, flush=True)
+    return out if out["rows"] else None
+
+
 def format_report(report: dict, requests: dict[str, list[WorkloadRequest]]) -> str:
     s = report["settings"]
     lines = [f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; every engine: "
@@ -454,6 +480,11 @@ def format_report(report: dict, requests: dict[str, list[WorkloadRequest]]) -> s
         if len(reqs) == 1:
             lines.append("single-stream decode tok/s (1000 / mean time per output token after the first):")
             lines += [f"  {n:<15}{decode_tok_s(r):>8.1f}" for n, r in rows.items() if decode_tok_s(r)]
+            if wname == DECODE1 and report.get("streaming"):
+                lines.append(f"against the weight-streaming limit (read rate {report['streaming']['read_gbps']:.1f} "
+                             "GB/s, measured in this run):")
+                lines += [f"  {n:<15}{StreamingFigure(r['tok_s'], r['bytes_per_token'], r['read_gbps']).describe()}"
+                          for n, r in report["streaming"]["rows"].items()]
         repeated = [(n, r["repeats"]) for n, r in rows.items() if "repeats" in r]
         if repeated:
             what = "single-stream decode tok/s" if len(reqs) == 1 else "total tok/s"

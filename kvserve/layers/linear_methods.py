@@ -43,9 +43,15 @@ class OneDNNPackedMethod:
     run, most at decode sizes. bf16 (AVX512_BF16/AMX dot products, fp32 accumulation): faster than F.linear on
     the bf16 weight at decode sizes, level with it at prefill sizes.
     `python -m kvserve.layers.linear_methods` prints the comparison. Results differ from F.linear only by
-    summation order (~1e-6 relative in fp32)."""
+    summation order (~1e-6 relative in fp32).
+
+    Except float32 at up to GEMV_ROWS rows (a single-stream decode step, or two): there F.linear on the loaded
+    weight (MKL's sgemv) streams a whole model's weights from memory faster than oneDNN's packed path, measured
+    over every linear of the built-in model, which does not fit in the last-level cache (`python -m
+    kvserve.bench.streaming --linear-paths`); one copy of a layer, which does fit, flatters the packed path."""
 
     name = "onednn"
+    GEMV_ROWS = 2
 
     @staticmethod
     def available() -> bool:
@@ -55,6 +61,8 @@ class OneDNNPackedMethod:
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= self.GEMV_ROWS and x.dim() == 2 and layer.weight.dtype == torch.float32:
+            return F.linear(x, layer.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
 
 
@@ -73,7 +81,12 @@ def default_method(device: torch.device, dtype: torch.dtype) -> LinearMethod:
     return DenseMethod()
 
 
-if __name__ == "__main__":  # the measurement behind OneDNNPackedMethod's docstring
+def packed_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed path at any number of rows (what apply runs above GEMV_ROWS)."""
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+
+
+if __name__ == "__main__":  # the per-layer measurement behind OneDNNPackedMethod's docstring
     import time
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2: qkv, o, gate_up, down
@@ -88,17 +101,18 @@ if __name__ == "__main__":  # the measurement behind OneDNNPackedMethod's docstr
             for n, k in shapes:
                 layer = nn.Module()
                 layer.weight = nn.Parameter((torch.randn(n, k) * 0.02).to(dtype), requires_grad=False)
+                layer.bias = None
                 layers.append(layer)
             stacks.append(layers)
         flops = sum(2 * m * n * k for n, k in shapes)
-        for method in (DenseMethod(), OneDNNPackedMethod()):
+        for name in ("dense", "onednn"):
             for layers in stacks:
                 for layer in layers:
-                    method.process_weights_after_loading(layer)
+                    OneDNNPackedMethod().process_weights_after_loading(layer)
 
-            def one_pass():
+            def one_pass(stacks=stacks, xs=xs, name=name):
                 for layers in stacks:
-                    [method.apply(layer, x, None) for layer, x in zip(layers, xs)]
+                    [F.linear(x, la.weight) if name == "dense" else packed_linear(la, x) for la, x in zip(layers, xs)]
 
             with torch.inference_mode():
                 one_pass()
@@ -107,5 +121,5 @@ if __name__ == "__main__":  # the measurement behind OneDNNPackedMethod's docstr
                 for _ in range(reps):
                     one_pass()
                 dt = (time.perf_counter() - t) / reps / copies
-            print(f"{str(dtype).removeprefix('torch.'):8s} M={m:4d} {method.name:7s} {dt * 1e3:7.3f} ms per layer  "
+            print(f"{str(dtype).removeprefix('torch.'):8s} M={m:4d} {name:7s} {dt * 1e3:7.3f} ms per layer  "
                   f"{flops / dt / 1e9:6.1f} GFLOP/s", flush=True)

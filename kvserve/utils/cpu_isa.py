@@ -21,6 +21,8 @@ _X86_FLAGS = {"avx512": ("-march=native",), "avx2": ("-march=haswell", "-mtune=n
 # neither: the kernels' avx512 build is -march=native too, with whatever AVX-512 extensions this CPU has.
 _ATEN = {"avx512": "avx512", "avx2": "avx2", "scalar": "default"}
 _ONEDNN = {"avx512": "ALL", "avx2": "AVX2", "scalar": "SSE41"}
+# MKL's cap (its sgemv runs the float32 linears of one or two rows: layers/linear_methods.py); none at avx512
+_MKL = {"avx2": "AVX2", "scalar": "SSE4_2"}
 _NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma", "f16c"},
           "scalar": set()}
 
@@ -72,8 +74,12 @@ def isa_cflags(isa: str) -> tuple[str, ...]:
 
 def emulation_env(isa: str) -> dict[str, str]:
     """The environment that makes a process run as a CPU of `isa`'s class: kvserve's kernels (KVSERVE_CPU_ISA),
-    PyTorch's (ATEN_CPU_CAPABILITY) and oneDNN's (ONEDNN_MAX_CPU_ISA). The last two are read when torch loads,
-    so they take effect in processes started with them, not in this one."""
+    PyTorch's (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA) and MKL's (MKL_ENABLE_INSTRUCTIONS, below
+    avx512). The last three are read when torch loads, so they take effect in processes started with them, not
+    in this one."""
     if isa not in ISAS:
         raise ValueError(f"unknown instruction set {isa!r}: expected one of {', '.join(ISAS)}")
-    return {"KVSERVE_CPU_ISA": isa, "ATEN_CPU_CAPABILITY": _ATEN[isa], "ONEDNN_MAX_CPU_ISA": _ONEDNN[isa]}
+    env = {"KVSERVE_CPU_ISA": isa, "ATEN_CPU_CAPABILITY": _ATEN[isa], "ONEDNN_MAX_CPU_ISA": _ONEDNN[isa]}
+    if isa in _MKL:
+        env["MKL_ENABLE_INSTRUCTIONS"] = _MKL[isa]
+    return env

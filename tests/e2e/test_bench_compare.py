@@ -260,6 +260,37 @@ def test_quantized_and_default_precision_targets():
     assert "single-stream decode tok/s" in text and "kvserve-int8      250.0" in text
 
 
+def test_decode1_against_the_weight_streaming_limit(monkeypatch):
+    """decode1's kvserve rows: each row's model probed with its own serve flags (the read rate once), the fraction
+    printed under decode1 and checked against the issue's 80% for fp32 and int8; peers and the baseline are not."""
+    import dataclasses
+
+    probes = []
+
+    def probe(code, settings):
+        probes.append(code)
+        return {"bytes_per_token": 150_000_000 if "'int8'" in code else 540_000_000,
+                **({"read_gbps": 21.6} if "--read-rate" in code else {})}
+
+    monkeypatch.setattr(compare, "_in_engine_env", probe)
+    tpot = {"mean_ms": 40.0, "median_ms": 40.0, "p99_ms": 41.0}
+    rows = {"kvserve": _row(1.0, tpot=tpot), "kvserve-int8": _row(1.0, tpot={**tpot, "mean_ms": 12.5}),
+            "vllm": _row(1.0, tpot=tpot), "kvserve-baseline": _row(1.0, tpot=tpot)}
+    report = {"machine": {"cpu": "x", "cores": 2}, "settings": dataclasses.asdict(RunSettings()),
+              "engines": {n: {"version": "v", "notes": ""} for n in rows}, "workloads": {"decode1": rows}}
+    env = PeerEnv(sys.executable, "", "")
+    report["streaming"] = compare._streaming(report, {n: (env, "m.gguf") for n in rows})
+    assert len(probes) == 2 and "--read-rate" in probes[0] and "--read-rate" not in probes[1]
+    assert "'--quantization', 'int8'" in probes[1] and "'--model', 'm.gguf'" in probes[0]
+    assert set(report["streaming"]["rows"]) == {"kvserve", "kvserve-int8"}
+    targets = {t["target"]: (round(t["value"], 3), t["met"]) for t in compare._targets(report)}
+    assert targets["single-stream decode (kvserve): >= 80% of the weight-streaming limit"] == (0.625, False)
+    assert targets["single-stream decode (kvserve-int8): >= 80% of the weight-streaming limit"] == (0.556, False)
+    text = compare.format_report(report, {"decode1": [WorkloadRequest("a", [1, 2], 3)]})
+    assert "against the weight-streaming limit (read rate 21.6 GB/s" in text
+    assert "540.0 MB at 21.6 GB/s read rate -> limit 40.0 tok/s; 62% of the weight-streaming limit" in text
+
+
 def test_decode1_workload_is_one_chat_prompt_of_256_tokens(tmp_path):
     from kvserve.bench.workload import load_workload
 
@@ -319,6 +350,12 @@ def test_bench_steps_accounts_for_every_token(tiny_llama, tmp_path, capsys):
     totals = profile(engine, load_workload(str(workload)))
     assert sum(t[2] for t in totals.values()) == sum(len(p) + 4 - 1 for p in prompts)
     assert "prompt >= 256" in totals and bucket(3, 3) == "decode < 8" and bucket(40, 32) == "prompt < 256"
+    alone = tmp_path / "one.jsonl"
+    alone.write_text(json.dumps({"id": 0, "prompt_token_ids": list(range(10, 40)), "max_tokens": 6}))
+    single: list[float] = [0, 0.0]
+    profile(Engine(EngineArgs(model=path, num_gpu_blocks_override=64, speculative_config="none")),
+            load_workload(str(alone)), single_stream=single)
+    assert single[0] == 5 and single[1] > 0, "every decode step after the prompt's is one token alone"
     assert main(["bench", "steps", "--workload", str(workload), "--model", path,
                  "--num-gpu-blocks-override", "64"]) == 0
     out = capsys.readouterr().out

@@ -4,7 +4,8 @@ process). Mixed steps of decodes, draft-verifying rows and prefill chunks over s
 backends' forward (the KV write, then attention): head dims 64 and 128 (rows in vector lanes) and 32 (transposed
 blocks, decode dot products), every cache dtype (an int8/fp8 one through the Hadamard rotation and the quantized
 write, whose bytes must equal torch_ref's), sliding windows, soft caps, shared-prefix groups and a long decode
-split over threads. Prints the loaded module's name (it names its instruction set)."""
+split over threads; and the fp8 write on every e4m3 value, every tie between two, and a grown scale that
+requantizes each code (check_fp8_write_edges). Prints the loaded module's name (it names its instruction set)."""
 from __future__ import annotations
 
 import torch
@@ -54,6 +55,39 @@ def _compare(step, dtype: str, scale: float, window: int | None, soft_cap: float
     assert torch.equal(scales[:-1], theirs.scales[:-1]), "the quantized write's scales"  # [-1]: poisoned, NaN
 
 
+def fp8_edge_rows(d: int = 64) -> torch.Tensor:
+    """[T, 1, d] rows whose values over the block scale 2^-3 (set by the 448 among them) are every finite e4m3
+    value, each midpoint between neighbours (a tie: round half to even) and the floats just either side of it,
+    both signs, zero padded."""
+    codes = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()    # 0 .. 448, subnormals too
+    mids = (codes[1:] + codes[:-1]) / 2
+    near = torch.cat((torch.nextafter(mids, torch.zeros(())), torch.nextafter(mids, torch.full((), 1e9))))
+    values = torch.cat((codes, mids, near))
+    values = torch.cat((values, -values)) * 2**-3
+    rows = torch.zeros(-(-values.numel() // d) * d)
+    rows[:values.numel()] = values
+    return rows.view(-1, 1, d)
+
+
+def check_fp8_write_edges(kernel) -> None:
+    """The fp8 write's codes equal write_block_scaled's on fp8_edge_rows, written into fresh blocks, then after a
+    token at the last slot that triples the scale of its block (which holds 448: every code requantized by 1/3)."""
+    rows = fp8_edge_rows()
+    t, bs = rows.shape[0], 16
+    blocks = -(-t // bs)
+    ours = QuantizedKVCache(torch.zeros(blocks, bs, 2, 1, rows.shape[-1], dtype=torch.float8_e4m3fn),
+                            torch.ones(blocks, 2, 1, dtype=torch.bfloat16))
+    theirs = QuantizedKVCache(ours.values.clone(), ours.scales.clone())
+    slots = torch.arange(t)
+    big = torch.full_like(rows[:1], 3 * 448 * 2**-3)
+    for k, v, at in ((rows, rows.flip(0), slots), (big, big, torch.tensor([t - 1]))):
+        kernel.write_kv_quantized_(ours.values, ours.scales, at, k.contiguous(), v.contiguous())
+        write_block_scaled(theirs, at, k, v)
+        assert torch.equal(ours.values.view(torch.uint8), theirs.values.view(torch.uint8)), "the fp8 write's codes"
+        assert torch.equal(ours.scales, theirs.scales), "the fp8 write's scales"
+    assert theirs.scales[0, 0, 0].item() == 3 * 448 * 2**-3 / 448, "the last write grew block 0's scale"
+
+
 def check(seed: int = 0) -> int:
     """Runs every case (an assertion error on the first mismatch); returns how many ran."""
     cases = 0
@@ -83,6 +117,7 @@ def main() -> None:
     assert module is not None, "the paged attention kernel did not build (see the log above)"
     with torch.inference_mode():
         cases = check()
+        check_fp8_write_edges(module)
     print(f"kernel {module.__name__}: {cases} cases match torch_ref")
 
 

@@ -61,9 +61,9 @@ def test_native_bf16_follows_the_selected_isa(monkeypatch):
 
 def test_emulation_env_caps_every_kernel_library():
     assert cpu_isa.emulation_env("avx2") == {"KVSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
-                                             "ONEDNN_MAX_CPU_ISA": "AVX2"}
+                                             "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     assert cpu_isa.emulation_env("scalar") == {"KVSERVE_CPU_ISA": "scalar", "ATEN_CPU_CAPABILITY": "default",
-                                               "ONEDNN_MAX_CPU_ISA": "SSE41"}
+                                               "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
     assert cpu_isa.emulation_env("avx512")["ONEDNN_MAX_CPU_ISA"] == "ALL"
     with pytest.raises(ValueError, match="unknown instruction set 'neon'"):
         cpu_isa.emulation_env("neon")

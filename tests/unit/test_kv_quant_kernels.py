@@ -14,6 +14,7 @@ from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.kv_cache.quant import (QuantizedKVCache, dequantize, gather_dequantized, quantize, quantize_blocks,
                                     write_block_scaled)
 from kvserve.kv_cache.rotation import rotate, rotation
+from tests.helpers.attention_isa import check_fp8_write_edges
 from tests.helpers.oracles import dense_decode
 from tests.helpers.paged_cache import scatter_sequences
 
@@ -270,6 +271,13 @@ def test_kernel_write_rule_matches_pytorch_byte_for_byte(dtype, seed):
     step = ref.scales.float()[slots // 16]                                    # [T, 2, H]
     bound = step[..., None] * (1.0 if dtype == torch.int8 else 0.0) + kv.abs() * (0 if dtype == torch.int8 else 2**-3)
     assert (err <= bound + step[..., None] * 2**-9).all()
+
+
+def test_kernel_fp8_write_on_every_code_and_tie():
+    """The fp8 write's vector lanes against the PyTorch rule on every e4m3 value, every tie between neighbours and
+    the floats beside it, then requantized by a grown scale (tests/helpers/attention_isa.py; the e2e test runs the
+    same on the AVX2 build)."""
+    check_fp8_write_edges(_kernel_or_skip())
 
 
 def test_block_scale_grows_requantizes_and_resets():

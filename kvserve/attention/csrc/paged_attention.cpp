@@ -963,8 +963,8 @@ struct Codes<c10::Float8_e4m3fn> {
   static c10::Float8_e4m3fn put(float y) { return c10::Float8_e4m3fn(std::min(std::max(y, -kMax), kMax)); }
 };
 
-// The row operations of the write, int8 in AVX-512 or AVX2 vectors (IEEE division, round-half-even, clamp: the
-// scalar rule's results exactly), the rest through Codes<T>.
+// The row operations of the write, int8 and fp8 in AVX-512 or AVX2 vectors (IEEE division, round-half-even,
+// clamp: the scalar rule's results exactly), the tails through Codes<T>.
 inline float row_amax(const float* x, int64_t D) {
   float amax = 0.0f;
   int64_t d = 0;
@@ -1000,18 +1000,100 @@ inline void put_int8_lanes(__m256 y, int8_t* out) {
 }
 #endif
 
+// fp8 e4m3fn in vector lanes: c10's fp8e4m3fn_from_fp32_value and its inverse, lane by lane in integer
+// arithmetic (and the one float add that rounds a subnormal), so the codes are the scalar rule's: the clamp to
+// +-448 keeps a NaN as std::min/max do (the vector max/min return their second operand for a NaN), a NaN
+// encodes as 0x7F, an overflow saturates to 0x7E, and the mantissa rounds half to even.
+constexpr int32_t kFp8Rebias = static_cast<int32_t>((static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu);
+constexpr int32_t kFp8Denorm = 141 << 23;       // c10's denorm_mask
+constexpr int32_t kFp8MinNormal = 121 << 23;    // 2^-6
+constexpr int32_t kFp8Overflow = 1087 << 20;    // 480.0f
+constexpr int32_t kFp8Inf = 0x7F800000;
+#ifdef __AVX512F__
+inline void put_fp8_lanes(__m512 y, c10::Float8_e4m3fn* out) {
+  y = _mm512_min_ps(_mm512_set1_ps(448.0f), _mm512_max_ps(_mm512_set1_ps(-448.0f), y));
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(INT32_MIN));
+  const __m512i a = _mm512_xor_si512(bits, sign);
+  const __m512i dm = _mm512_set1_epi32(kFp8Denorm);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(dm))), dm);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(kFp8Rebias)), odd), 20),
+      _mm512_set1_epi32(0xFF));
+  const __m512i sat = _mm512_set1_epi32(0x7E);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(r, _mm512_set1_epi32(0x7F)), sat);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(kFp8MinNormal)),
+                            _mm512_and_si512(sub, _mm512_set1_epi32(0xFF)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epi32_mask(a, _mm512_set1_epi32(kFp8Overflow)), sat);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(kFp8Inf)), _mm512_set1_epi32(0x7F));
+  r = _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(r));
+}
+
+// c10's fp8e4m3fn_to_fp32_value: the bits moved into place times 2^120 (exact), a NaN code (0x7F, 0xFF) a NaN
+// of its sign.
+inline __m512 get_fp8_lanes(const c10::Float8_e4m3fn* in) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in)));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+  const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+  const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_slli_epi32(mag, 20))),
+                                 _mm512_set1_ps(0x1p120f));
+  const __m512 nan = _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_set1_epi32(0x7FC00000)));
+  return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), nan);
+}
+#elif defined(KVSERVE_AVX2_LANES)
+inline void put_fp8_lanes(__m256 y, c10::Float8_e4m3fn* out) {
+  y = _mm256_min_ps(_mm256_set1_ps(448.0f), _mm256_max_ps(_mm256_set1_ps(-448.0f), y));
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN));
+  const __m256i a = _mm256_xor_si256(bits, sign);  // < 2^31: signed comparisons order it
+  const __m256i dm = _mm256_set1_epi32(kFp8Denorm);
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(dm))), dm);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+  __m256i r = _mm256_and_si256(
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(kFp8Rebias)), odd), 20),
+      _mm256_set1_epi32(0xFF));
+  const __m256i sat = _mm256_set1_epi32(0x7E);
+  r = _mm256_blendv_epi8(r, sat, _mm256_cmpeq_epi32(r, _mm256_set1_epi32(0x7F)));
+  r = _mm256_blendv_epi8(r, _mm256_and_si256(sub, _mm256_set1_epi32(0xFF)),
+                         _mm256_cmpgt_epi32(_mm256_set1_epi32(kFp8MinNormal), a));
+  r = _mm256_blendv_epi8(r, sat, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(kFp8Overflow - 1)));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), _mm256_cmpgt_epi32(a, _mm256_set1_epi32(kFp8Inf)));
+  r = _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
+}
+
+inline __m256 get_fp8_lanes(const c10::Float8_e4m3fn* in) {
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+  const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, _mm256_slli_epi32(mag, 20))),
+                                 _mm256_set1_ps(0x1p120f));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_or_si256(sign, _mm256_set1_epi32(0x7FC00000)));
+  return _mm256_blendv_ps(v, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F))));
+}
+#endif
+
 template <typename T>
 void encode_row(const float* x, float scale, T* out, int64_t D) {
   int64_t d = 0;
 #if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(scale);
   if constexpr (std::is_same<T, int8_t>::value) {
-    const __m512 s = _mm512_set1_ps(scale);
     for (; d + 16 <= D; d += 16) put_int8_lanes(_mm512_div_ps(_mm512_loadu_ps(x + d), s), out + d);
+  } else {
+    for (; d + 16 <= D; d += 16) put_fp8_lanes(_mm512_div_ps(_mm512_loadu_ps(x + d), s), out + d);
   }
 #elif defined(KVSERVE_AVX2_LANES)
+  const __m256 s = _mm256_set1_ps(scale);
   if constexpr (std::is_same<T, int8_t>::value) {
-    const __m256 s = _mm256_set1_ps(scale);
     for (; d + 8 <= D; d += 8) put_int8_lanes(_mm256_div_ps(_mm256_loadu_ps(x + d), s), out + d);
+  } else {
+    for (; d + 8 <= D; d += 8) put_fp8_lanes(_mm256_div_ps(_mm256_loadu_ps(x + d), s), out + d);
   }
 #endif
   for (; d < D; ++d) out[d] = Codes<T>::put(x[d] / scale);
@@ -1021,20 +1103,24 @@ template <typename T>
 void rescale_row(T* codes, float ratio, int64_t D) {
   int64_t d = 0;
 #if defined(__AVX512F__)
+  const __m512 r = _mm512_set1_ps(ratio);
   if constexpr (std::is_same<T, int8_t>::value) {
-    const __m512 r = _mm512_set1_ps(ratio);
     for (; d + 16 <= D; d += 16) {
       const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d));
       put_int8_lanes(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), r), codes + d);
     }
+  } else {
+    for (; d + 16 <= D; d += 16) put_fp8_lanes(_mm512_mul_ps(get_fp8_lanes(codes + d), r), codes + d);
   }
 #elif defined(KVSERVE_AVX2_LANES)
+  const __m256 r = _mm256_set1_ps(ratio);
   if constexpr (std::is_same<T, int8_t>::value) {
-    const __m256 r = _mm256_set1_ps(ratio);
     for (; d + 8 <= D; d += 8) {
       const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + d));
       put_int8_lanes(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), r), codes + d);
     }
+  } else {
+    for (; d + 8 <= D; d += 8) put_fp8_lanes(_mm256_mul_ps(get_fp8_lanes(codes + d), r), codes + d);
   }
 #endif
   for (; d < D; ++d) codes[d] = Codes<T>::put(Codes<T>::get(codes[d]) * ratio);
