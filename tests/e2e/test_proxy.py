@@ -120,8 +120,8 @@ def _answer(base_url: str, path: str, body: dict) -> dict:
     return {"text": text, "finish_reason": finish, "usage": usage}
 
 
-def _answers(base_url: str, requests: list[tuple[str, dict]]) -> list[dict]:
-    with ThreadPoolExecutor(16) as pool:
+def _answers(base_url: str, requests: list[tuple[str, dict]], concurrency: int = 16) -> list[dict]:
+    with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(lambda item: _answer(base_url, *item), requests))
 
 
@@ -164,8 +164,10 @@ def test_disaggregated_answers_with_an_int8_kv_cache_are_one_engines(instances, 
                         "--policy", "power_of_two")
     try:
         requests = _requests()[::3] + _requests()[1::9]  # every kind of request, some streamed
-        ours = _answers(proxy.base_url, requests)
-        _same(ours, _answers(servers["p8"].base_url, requests))
+        # NOTE: one at a time: an int8 block's scale follows how its tokens were written, so where concurrent
+        # prompts' chunks split a block decides its codes, on one engine as much as across two
+        ours = _answers(proxy.base_url, requests, concurrency=1)
+        _same(ours, _answers(servers["p8"].base_url, requests, concurrency=1))
         assert sum(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in ours) > 0
         assert_free_blocks_return({n: servers[n] for n in ("p8", "d8")}, start)
     finally:

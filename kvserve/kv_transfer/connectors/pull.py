@@ -32,6 +32,7 @@ from kvserve.config.engine import EngineConfig
 from kvserve.config.kv_transfer import KVTransferConfig
 from kvserve.core_types import KVConnectorOutput, SchedulerOutput
 from kvserve.kv_cache.layout import KVCacheSpec
+from kvserve.kv_cache.quant import is_quantized, resolve_kv_cache_dtype
 from kvserve.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from kvserve.kv_transfer.connectors.pull_transport import BlockServer
 from kvserve.kv_transfer.connectors.pull_worker import PullJobs, PullSpec, ServedBlocks, SlotKeys
@@ -85,6 +86,7 @@ class PullConnector(KVConnectorBase_V1):
         self.lease_s = _seconds(extra, "lease_s", DEFAULT_LEASE_S)
         self.timeout_s = min(_seconds(extra, "timeout_s", self.lease_s), self.lease_s)
         self.block_size = config.cache.block_size
+        self.quantized_kv = is_quantized(resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.model.dtype))
         self.engine_id = self.transfer.engine_id or f"kvserve-{uuid.uuid4().hex[:12]}"
         if self.transfer.kv_connector == "NixlConnector" and role == KVConnectorRole.WORKER:
             logger.info("NixlConnector: kvserve moves the KV over TCP (its PullConnector), not NIXL")
@@ -132,7 +134,12 @@ class PullConnector(KVConnectorBase_V1):
         remote = self._remote_of(request, params, num_computed_tokens // self.block_size)
         if remote is None:
             return 0, False
-        num = min(len(remote.block_ids) * self.block_size, request.num_prompt_tokens - 1) - num_computed_tokens
+        end = min(len(remote.block_ids) * self.block_size, request.num_prompt_tokens - 1)
+        if self.quantized_kv:
+            # NOTE: a quantized block's scale follows how its tokens were written: the prompt's partial last
+            # block is computed here in one chunk, as the prefill instance wrote it, so its codes are the same
+            end -= end % self.block_size
+        num = end - num_computed_tokens
         if num <= 0 or request.skip_reading_prefix_cache:  # nothing to read: the prefill instance may free them
             self._pulled.add(request.request_id)
             self._meta.recv.append(remote.spec(request.request_id, [], []))
