@@ -125,7 +125,7 @@ class Scheduler:
         cfg = self.config
         self.kv.pins.expire()
         self.batch.begin_step(self.running, self.waiting)
-        sizer = ChunkSizer.for_step(cfg, self.step_cost, self.batch.active(self.running))
+        sizer = ChunkSizer.for_step(cfg, self.step_cost, self.batch.active(self.running), self.waiting)
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
         budget = self._schedule_running(sizer, cfg.max_num_batched_tokens, scheduled, preempted)
@@ -255,7 +255,7 @@ class Scheduler:
         now = time.monotonic()
         if self.spec_policy is not None:
             self.spec_policy.observe_step(out.total_num_scheduled_tokens, runner_out.execute_s)
-        if self.config.target_itl_ms > 0:
+        if self.config.target_itl_ms:
             observe_step_cost(self.step_cost, self.requests, out, runner_out.execute_s)
         sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
