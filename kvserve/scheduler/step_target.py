@@ -44,7 +44,7 @@ def prompt_slowdown(cost: StepCost, prompts: Iterable[Request], now: float) -> f
             continue  # preempted after streaming: its TTFT is behind it
         alone = cost.predict(StepFeatures.of_request(0, r.num_prompt_tokens))
         if alone > 0:
-            worst = max(worst, (now - r.metrics.arrival_time) / alone)
+            worst = max(worst, max(0.0, now - r.metrics.arrival_time) / alone)
     return worst
 
 
