@@ -36,8 +36,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                               '"prompt_lookup_max": 5}')
 # NOTE: auto: the step limit follows this machine's decode step and the prompts' wait (scheduler/step_target.py);
-# a fixed 150 ms (the former default, about 3.5x a 16-request SmolLM2 decode step on a 2-core AVX-512 CPU)
-# starved prompts on slower machines (docs/features/latency-budget.md).
+# the former fixed 150 ms (LEGACY_TARGET_ITL_MS, fitted to the 2-core AVX-512 development machine) starved
+# prompts on slower machines (docs/features/latency-budget.md).
 DEFAULT_TARGET_ITL_MS = AUTO
 LEGACY_TARGET_ITL_MS = 150.0
 

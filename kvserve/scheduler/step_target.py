@@ -2,23 +2,30 @@
 
 Two policies, chosen by --target-itl-ms:
 - a number T (ms): the step may take T, or twice its decodes' own predicted time where that is longer.
-- `auto` (the default): the limit is ITL_RATIO times the decode-only step this machine runs now, and it
-  grows once a prompt has waited more than SLOWDOWN_TOLERATED times what computing it alone would take.
+- `auto` (the default), three rules:
+  - a prompt that fits one step (at most --max-num-batched-tokens tokens) is computed whole, not capped
+    by the limit (chunking.ChunkSizer.whole_up_to);
+  - a longer prompt's chunks keep the step within ITL_RATIO times the decode-only step this machine runs now
+    (the cost model's prediction of the same step without prompt tokens);
+  - that limit grows in proportion to the wait of the prompt that has waited longest for its first token,
+    once it exceeds SLOWDOWN_TOLERATED times that prompt's own predicted time.
 
 Why relative: a fixed T means something else on every machine (on one whose decode step alone takes 100
 ms, 150 ms admits almost nothing). Streaming clients see the decode-only step as their ITL p50 as long as
 fewer than half of their steps carry a prompt chunk; bounding a chunk step at ITL_RATIO decode steps keeps
 their p99 within 3x that p50, with room for the cost model's error.
 
-Why the wait: in a fluid view the decodes pay the same total delay whatever the chunk size (the same prompt
-tokens are computed beside them either way), while the waiting prompts' TTFT grows as chunks shrink (the
-prefill stretches over more steps, each paying the step's fixed cost). Worse, under steady arrivals a
-chunk capped at a fixed multiple of the decode step can fall below the rate at which prompt tokens arrive
-(the more requests decode, the more prompts arrive per step): the queue then grows until requests wait
-long and stream fast. So the tail guard gives way to the wait: the limit is the larger of ITL_RATIO decode
-steps and slowdown / SLOWDOWN_TOLERATED decode steps, where slowdown is the longest wait of a prompt
-without its first token over that prompt's own predicted time. A long prompt (its own time is long) keeps
-the guard for long; a burst of short ones (`mixed`, or a server at its concurrency limit) soon lifts it.
+Why only long prompts: in a fluid view the decodes pay the same total delay whatever the chunk size (the
+same prompt tokens are computed beside them either way); chunking only spreads it, trading a few very long
+steps for more steps of a bounded length, at the prompt's TTFT (its work stretches over more steps, each
+paying the step's fixed cost). A prompt that fits one step makes one long step however it is cut, so
+cutting it buys nothing; one several steps long would make several in a row, which the guard spreads.
+
+Why the wait: under steady arrivals a chunk capped at a multiple of the decode step can fall to the rate
+at which prompt tokens arrive (the more requests decode, the more prompts arrive per step): the queue then
+grows until requests wait long and stream fast (with a client at a concurrency limit, the queue takes the
+place of requests decoding). Measuring the wait against the prompt's own time keeps the guard for a long
+prompt (its own time is long) and lifts it soon for a queue.
 """
 from __future__ import annotations
 
@@ -31,7 +38,9 @@ from kvserve.scheduler.step_cost import StepCost, StepFeatures
 # NOTE: 2.2 decode steps: tests/unit/test_step_cost_replay.py's interference replay keeps short ITL
 # p99/p50 under 3 with it on a fast and a 3x slower ground truth (the fit's error is ~25%).
 ITL_RATIO = 2.2
-# A prompt that waited this many times its own predicted time starts to lift the tail guard.
+# A prompt that waited this many times its own predicted time starts to lift the tail guard. NOTE: 3: a long
+# prompt chunked under the guard waits a little over twice its own time by design (the chunks' steps pay
+# the decodes' share); less lifted the guard for interference's prompts in the replay and broke its tail.
 SLOWDOWN_TOLERATED = 3.0
 
 
