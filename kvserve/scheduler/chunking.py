@@ -11,7 +11,7 @@ from kvserve.config.scheduler import AUTO, SchedulerConfig
 from kvserve.request import Request
 from kvserve.core_types import SchedulerOutput
 from kvserve.scheduler.step_cost import LatencyBudget, StepCost, StepFeatures
-from kvserve.scheduler.step_target import prompt_slowdown, step_limit_s
+from kvserve.scheduler.step_target import GuardDuty, prompt_slowdown, step_limit_s
 
 # NOTE: the queue is FCFS (or bounded-wait lpm): the prompts that waited longest are at its head, and a
 # server under load may queue thousands (a prediction each would cost the step milliseconds).
@@ -36,10 +36,11 @@ def prefill_chunk_cap(config: SchedulerConfig, running: list[Request]) -> int:
 
 
 def latency_budget(config: SchedulerConfig, step_cost: StepCost, running: list[Request],
-                   waiting: Iterable[Request] = ()) -> LatencyBudget | None:
+                   waiting: Iterable[Request] = (), duty: GuardDuty | None = None) -> LatencyBudget | None:
     """The budget that sizes this step's prompt chunks by predicted time (config.target_itl_ms, see
     scheduler/step_target.py), when the step carries decodes; None (the token budget alone) otherwise, or
-    when the target is 0. waiting: the admission queue, in order (its head's prompts wait too)."""
+    when the target is 0. waiting: the admission queue, in order (its head's prompts wait too); duty: the
+    scheduler's GuardDuty (auto), observed here once a step."""
     if not config.target_itl_ms or not config.enable_chunked_prefill:
         return None
     decodes, prompts = StepFeatures(), []
@@ -53,7 +54,12 @@ def latency_budget(config: SchedulerConfig, step_cost: StepCost, running: list[R
         return None
     slowdown = 0.0
     if config.target_itl_ms == AUTO:
-        slowdown = prompt_slowdown(step_cost, prompts + list(islice(waiting, _WAITING_LOOKED_AT)), time.monotonic())
+        prompts += islice(waiting, _WAITING_LOOKED_AT)
+        if duty is not None:
+            duty.observe(any(r.num_prompt_tokens > config.max_num_batched_tokens for r in prompts))
+            if duty.lifted:
+                return None
+        slowdown = prompt_slowdown(step_cost, prompts, time.monotonic())
     limit = step_limit_s(config.target_itl_ms, step_cost.predict(decodes), slowdown)
     return LatencyBudget(step_cost, limit, decodes)
 
@@ -72,9 +78,10 @@ class ChunkSizer:
 
     @classmethod
     def for_step(cls, config: SchedulerConfig, step_cost: StepCost, running: list[Request],
-                 waiting: Iterable[Request] = ()) -> ChunkSizer:
+                 waiting: Iterable[Request] = (), duty: GuardDuty | None = None) -> ChunkSizer:
         whole = config.max_num_batched_tokens if config.target_itl_ms == AUTO else 0
-        return cls(prefill_chunk_cap(config, running), latency_budget(config, step_cost, running, waiting), whole)
+        return cls(prefill_chunk_cap(config, running), latency_budget(config, step_cost, running, waiting, duty),
+                   whole)
 
     def size(self, num_computed: int, num_new: int, budget: int, verifying: bool = False) -> int:
         """Tokens a request num_computed tokens in, with num_new left to compute, gets out of `budget`; 0: the

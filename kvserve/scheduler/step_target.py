@@ -30,6 +30,7 @@ prompt (its own time is long) and lifts it soon for a queue.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvserve.config.scheduler import AUTO
 from kvserve.request import Request
@@ -42,6 +43,31 @@ ITL_RATIO = 2.2
 # prompt chunked under the guard waits a little over twice its own time by design (the chunks' steps pay
 # the decodes' share); less lifted the guard for interference's prompts in the replay and broke its tail.
 SLOWDOWN_TOLERATED = 3.0
+
+
+# NOTE: the guard's duty is averaged over about this many steps: longer than a transient (interference's two
+# 2,000-token prompts keep it on for tens of steps), short enough to notice a steady stream within a few
+# hundred steps.
+DUTY_STEPS = 256
+# The guard is lifted while at least this fraction of recent decoding steps had a long prompt pending, and
+# comes back below the second (the gap keeps it from flapping).
+DUTY_LIFT, DUTY_RESTORE = 0.5, 0.25
+
+
+@dataclass
+class GuardDuty:
+    """How often the decoding steps lately had a long prompt waiting for its first token (auto's third
+    rule: once that is most of them, the guard is lifted). One per scheduler; observe() once per step."""
+
+    fraction: float = 0.0
+    lifted: bool = False
+
+    def observe(self, long_prompt_pending: bool) -> None:
+        self.fraction += (float(long_prompt_pending) - self.fraction) / DUTY_STEPS
+        if self.fraction >= DUTY_LIFT:
+            self.lifted = True
+        elif self.fraction <= DUTY_RESTORE:
+            self.lifted = False
 
 
 def prompt_slowdown(cost: StepCost, prompts: Iterable[Request], now: float) -> float:

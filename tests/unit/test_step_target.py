@@ -12,7 +12,8 @@ from kvserve.config.scheduler import AUTO, SchedulerConfig, parse_target_itl_ms
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.step_cost import LinearStepCost
-from kvserve.scheduler.step_target import ITL_RATIO, SLOWDOWN_TOLERATED, prompt_slowdown, step_limit_s
+from kvserve.scheduler.step_target import (DUTY_RESTORE, ITL_RATIO, SLOWDOWN_TOLERATED, GuardDuty, prompt_slowdown,
+                                           step_limit_s)
 
 
 def test_parse_target_itl_ms():
@@ -69,3 +70,17 @@ def test_prompt_slowdown_is_the_worst_wait_over_its_own_time():
     assert prompt_slowdown(cost, [long, short], 5.0) == pytest.approx(1.0 / 0.110)
     # preempted after it streamed: its first token is behind it, its wait does not count
     assert prompt_slowdown(cost, [long, _prompt(100, arrival=0.0, streamed=True)], 5.0) == pytest.approx(2.0 / 1.01)
+
+
+def test_guard_duty_lifts_on_a_steady_stream_not_on_a_transient():
+    duty = GuardDuty()
+    for _ in range(100):                 # a long prompt chunked for 100 steps (interference's scale)
+        duty.observe(True)
+    assert not duty.lifted and 0.3 < duty.fraction < 0.4
+    for _ in range(100):                 # then more of them, steadily: most steps have one waiting
+        duty.observe(True)
+    assert duty.lifted
+    while duty.fraction > DUTY_RESTORE:
+        assert duty.lifted               # between the two thresholds it stays as it was
+        duty.observe(False)
+    assert not duty.lifted
