@@ -8,7 +8,8 @@ Two policies, chosen by --target-itl-ms:
   - a longer prompt's chunks keep the step within ITL_RATIO times the decode-only step this machine runs now
     (the cost model's prediction of the same step without prompt tokens);
   - that limit grows in proportion to the wait of the prompt that has waited longest for its first token,
-    once it exceeds SLOWDOWN_TOLERATED times that prompt's own predicted time.
+    once it exceeds SLOWDOWN_TOLERATED times that prompt's own predicted time;
+  - it is lifted altogether while most decoding steps lately had a long prompt waiting (GuardDuty).
 
 Why relative: a fixed T means something else on every machine (on one whose decode step alone takes 100
 ms, 150 ms admits almost nothing). Streaming clients see the decode-only step as their ITL p50 as long as
@@ -25,7 +26,9 @@ Why the wait: under steady arrivals a chunk capped at a multiple of the decode s
 at which prompt tokens arrive (the more requests decode, the more prompts arrive per step): the queue then
 grows until requests wait long and stream fast (with a client at a concurrency limit, the queue takes the
 place of requests decoding). Measuring the wait against the prompt's own time keeps the guard for a long
-prompt (its own time is long) and lifts it soon for a queue.
+prompt (its own time is long) and lifts it soon for a queue. And once most steps carry a chunk, the
+clients' ITL p50 is the chunk step anyway (a flat tail of slow steps): the guard then buys nothing and
+still costs TTFT, so a steady stream of long prompts runs as under the fixed budget.
 """
 from __future__ import annotations
 
