@@ -54,7 +54,7 @@ def latency_budget(config: SchedulerConfig, step_cost: StepCost, running: list[R
         return None
     slowdown = 0.0
     if config.target_itl_ms == AUTO:
-        prompts += islice(waiting, _WAITING_LOOKED_AT)
+        prompts += (r for r in islice(waiting, _WAITING_LOOKED_AT) if r.metrics.first_token_time is None)
         if duty is not None:
             duty.observe(any(r.num_prompt_tokens > config.max_num_batched_tokens for r in prompts))
             if duty.lifted:
