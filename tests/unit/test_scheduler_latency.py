@@ -185,3 +185,20 @@ def test_auto_with_prompt_only_steps_and_long_prefill_cap():
     capped.add_request(make_request("b", 300, 2))
     out, _ = _step(capped)
     assert out.num_scheduled_tokens["b"] == 32        # vLLM's cap still applies to a prompt that fits one step
+
+
+def test_auto_is_the_fixed_budget_exactly_while_every_prompt_fits_one_step():
+    """`mixed`'s case: no prompt longer than --max-num-batched-tokens, so auto schedules every step as the
+    fixed budget does (its throughput and TTFT are the fixed budget's)."""
+    def trace(sched: Scheduler, seed: int) -> list[dict[str, int]]:
+        rng, steps = random.Random(seed), []
+        for i in range(40):
+            sched.add_request(make_request(str(i), rng.randint(1, 512), rng.randint(1, 40), seed))
+        while sched.requests:
+            steps.append(dict(_step(sched, seconds=0.02)[0].num_scheduled_tokens))
+        return steps
+
+    for seed in range(2):
+        fixed = trace(latency_scheduler(target_ms=0, num_blocks=512), seed)
+        assert trace(latency_scheduler(target_ms="auto", num_blocks=512), seed) == fixed
+        assert trace(latency_scheduler(target_ms=150, num_blocks=512), seed) != fixed
