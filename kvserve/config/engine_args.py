@@ -24,7 +24,7 @@ from kvserve.config.lora import LoRAConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.parallel import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig
 from kvserve.config.quantization import QuantizationConfig
-from kvserve.config.scheduler import SchedulerConfig
+from kvserve.config.scheduler import AUTO, SchedulerConfig, parse_target_itl_ms
 from kvserve.config.speculative import SpeculativeConfig
 from kvserve.kv_cache.quant import KV_CACHE_DTYPES
 from kvserve.kv_cache.reservation import KV_RESERVATIONS
@@ -37,9 +37,20 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # on the shared workloads; docs/features/speculative-decoding.md).
 DEFAULT_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                               '"prompt_lookup_max": 5}')
-# NOTE: 150 ms: about 3.5x a 16-request SmolLM2 decode step on a 2-core CPU, where `kvserve bench itl` trades
-# the short requests' ITL p99 against `mixed` throughput best (docs/features/latency-budget.md).
-DEFAULT_TARGET_ITL_MS = 150.0
+# NOTE: auto: the step limit follows this machine's decode step and the prompts' wait (scheduler/step_target.py);
+# the former fixed 150 ms (LEGACY_TARGET_ITL_MS, fitted to the 2-core AVX-512 development machine) starved
+# prompts on slower machines (docs/features/latency-budget.md).
+DEFAULT_TARGET_ITL_MS = AUTO
+LEGACY_TARGET_ITL_MS = 150.0
+
+
+def _target_itl_arg(text: str) -> float | str:
+    try:
+        return parse_target_itl_ms(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 _ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_ref", "torch_sdpa", "triton_paged")
 
 
@@ -94,11 +105,14 @@ class EngineArgs:
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "while other requests decode, compute at most this many prompt tokens of one request per "
                 "step, to bound their inter-token latency (0: no cap)"})
-    target_itl_ms: float = field(default=DEFAULT_TARGET_ITL_MS, metadata={
+    target_itl_ms: float | str = field(default=DEFAULT_TARGET_ITL_MS, metadata={
         "help": "latency-aware step budget: in a step that also decodes, size prompt chunks so the step's "
                 "predicted time (a cost model fitted online to measured steps) stays within this many ms, or "
-                "twice the decodes' own time where that is longer; prompt-only steps still take the whole "
-                "--max-num-batched-tokens (0: off, the fixed token budget alone)"})
+                "twice the decodes' own time where that is longer; auto: a prompt that fits one step is "
+                "computed whole, a longer one in chunks whose steps take at most 2.2x the decode-only step, "
+                "more once it has waited 3x its own time; prompt-only steps still take the whole "
+                "--max-num-batched-tokens (0: off, the fixed token budget alone)",
+        "type": _target_itl_arg})
     enable_chunked_prefill: bool = field(default=True, metadata={
         "help": "split long prompts over several steps so decodes keep flowing"})
     enable_prefix_caching: bool = field(default=True, metadata={

@@ -27,6 +27,7 @@ from kvserve.scheduler.policy import WaitingOrder
 from kvserve.scheduler.static_batch import StaticBatch
 from kvserve.scheduler.stats import SchedulerStats
 from kvserve.scheduler.step_cost import OnlineStepCost, StepCost
+from kvserve.scheduler.step_target import GuardDuty
 from kvserve.scheduler.stop import append_until_stop
 from kvserve.spec_decode.policy import DraftLengthPolicy
 from kvserve.structured_output.manager import StructuredOutputManager
@@ -41,6 +42,8 @@ class Scheduler:
         """--kv-transfer-config: the scheduler-side KV connector (kv_transfer/base.py); None: none."""
         self.step_cost = step_cost if step_cost is not None else OnlineStepCost()
         """Predicted step time (config.target_itl_ms sizes prompt chunks by it), fitted in update()."""
+        self.guard_duty = GuardDuty()
+        """--target-itl-ms auto: how often long prompts waited beside decodes lately (scheduler/step_target.py)."""
         self.structured = structured
         """Grammars of structured-output requests (compiles, matchers, bitmasks); None: none are served."""
         self.kv = kv_manager
@@ -134,7 +137,8 @@ class Scheduler:
         cfg = self.config
         self.kv.pins.expire()
         self.batch.begin_step(self.running, self.waiting)
-        sizer = ChunkSizer.for_step(cfg, self.step_cost, self.batch.active(self.running))
+        sizer = ChunkSizer.for_step(cfg, self.step_cost, self.batch.active(self.running), self.waiting,
+                                    self.guard_duty)
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
         budget = self._schedule_running(sizer, cfg.max_num_batched_tokens, scheduled, preempted)
@@ -326,7 +330,7 @@ class Scheduler:
         now = time.monotonic()
         if self.spec_policy is not None:
             self.spec_policy.observe_step(out.total_num_scheduled_tokens, runner_out.execute_s)
-        if self.config.target_itl_ms > 0:
+        if self.config.target_itl_ms:
             observe_step_cost(self.step_cost, self.requests, out, runner_out.execute_s)
         sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}

@@ -233,9 +233,14 @@ class LatencyBudget:
         if not self._floor_used:
             n = max(n, min(num_new, MIN_PROMPT_CHUNK))
             self._floor_used = True
+        self.count(num_computed, n)
+        return n
+
+    def count(self, num_computed: int, n: int) -> None:
+        """A chunk of n tokens granted outside the budget (it still weighs on the chunks sized after it)."""
         if n:
             self.carried = self.carried + StepFeatures.of_request(num_computed, n)
-        return n
+            self._floor_used = True
 
 
 def largest_chunk(cost: StepCost, base: StepFeatures, num_computed: int, limit: int, target_s: float) -> int:

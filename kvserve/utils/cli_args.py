@@ -12,7 +12,8 @@ def add_dataclass_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str,
 
     `--help` shows the default when the parser's formatter is cli_help.DefaultsHelpFormatter.
 
-    A `tuple[str, ...]` field takes one or more values (`--flag a b`, or the flag repeated)."""
+    A `tuple[str, ...]` field takes one or more values (`--flag a b`, or the flag repeated). A field whose
+    metadata has a "type" is parsed by it (a value of more than one kind, like `auto` or a number)."""
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in exclude:
@@ -29,7 +30,7 @@ def add_dataclass_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str,
             parser.add_argument(*flags, nargs="+", action="extend", type=str, **kwargs)
             continue
         base = int if hint in (int, int | None) else float if hint in (float, float | None) else str
-        parser.add_argument(*flags, type=base, choices=f.metadata.get("choices"), **kwargs)
+        parser.add_argument(*flags, type=f.metadata.get("type", base), choices=f.metadata.get("choices"), **kwargs)
 
 
 def dataclass_from_args(cls, args: argparse.Namespace):

@@ -27,9 +27,24 @@ def test_both_settings_measured(tiny_llama, tmp_path, capsys):
     for r in results:
         assert 0 < r["short_itl"]["median_ms"] <= r["short_itl"]["p99_ms"]
         assert r["long_ttft"]["median_ms"] > 0 and r["mixed_total_tps"] > 0
+        assert 0 < r["mixed_ttft"]["median_ms"] <= r["mixed_ttft"]["p99_ms"]
     assert "vs fixed" in out and "1.000x" in out
     assert "[itl] target 0.001 ms: fitted step cost" in out and "ms/token" in results[0]["step_cost"]
     assert "fitted step cost" not in out.split("[itl] target 0 ms")[1]
+
+
+def test_auto_and_rounds_interleaved(tiny_llama, tmp_path, capsys):
+    _write(tmp_path / "interference.jsonl", [(5, 12, 0.0), (6, 12, 0.0), (120, 2, 0.02)])
+    _write(tmp_path / "mixed.jsonl", [(20, 3, 0.0), (40, 2, 0.0)])
+    argv = ["--workload-dir", str(tmp_path), "--model", tiny_llama[0], "--targets", "auto,0", "--repeat", "2",
+            "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--max-num-batched-tokens", "64", "--json"]
+    assert itl.main(argv) == 0
+    out = capsys.readouterr().out
+    results = json.loads(out[out.index("\n[\n") + 1:])
+    assert [(r["target_itl_ms"], r["round"]) for r in results] == [("auto", 0), (0.0, 0), ("auto", 1), (0.0, 1)]
+    assert "[itl] target auto (round 2): fitted step cost" in out and "cpu isa:" in out
+    table = out[out.index("--target-itl-ms"):out.index("targets:")].splitlines()
+    assert [line.split()[0] for line in table[1:]] == ["auto", "0"] and "mixed TTFT p50" in table[0]
 
 
 def test_bad_targets_exit_2(tmp_path, capsys):

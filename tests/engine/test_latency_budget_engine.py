@@ -9,7 +9,8 @@ from kvserve.sampling_params import SamplingParams
 
 def test_engine_outputs_unchanged_by_latency_sized_chunks_and_match_transformers(tiny_llama):
     """A real engine, decodes running while long prompts arrive: a tiny target (every chunk beside decodes
-    at its floor or the 2x rule) gives the same greedy tokens as the fixed budget and as transformers."""
+    at its floor or the 2x rule) and auto (the 90-token prompt whole, the 150-token one in chunks) give the
+    same greedy tokens as the fixed budget and as transformers."""
     import torch
 
     from tests.helpers.engine import check_engine_invariants
@@ -21,7 +22,7 @@ def test_engine_outputs_unchanged_by_latency_sized_chunks_and_match_transformers
     short = [[rng.randrange(3, 200) for _ in range(5)] for _ in range(3)]
     long = [[rng.randrange(3, 200) for _ in range(n)] for n in (150, 90)]
     results, steps = [], []
-    for target in (0.001, 0.0):
+    for target in (0.001, 0.0, "auto"):
         engine = Engine(EngineArgs(model=path, num_gpu_blocks_override=64, max_model_len=256,
                                    max_num_batched_tokens=128, target_itl_ms=target, speculative_config=None))
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -39,7 +40,7 @@ def test_engine_outputs_unchanged_by_latency_sized_chunks_and_match_transformers
             n += 1
         results.append(done)
         steps.append(n)
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     assert steps[0] > steps[1], "the target did cut the long prompts' chunks"
     for rid, prompt in [(f"s{i}", p) for i, p in enumerate(short)] + [(f"l{i}", p) for i, p in enumerate(long)]:
         with torch.inference_mode():

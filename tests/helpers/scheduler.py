@@ -15,7 +15,7 @@ from kvserve.scheduler.step_cost import LinearStepCost
 LINEAR_COST = LinearStepCost(base=0.010, per_token=0.001, per_pair=1e-6)
 
 
-def latency_scheduler(target_ms: float, cost=LINEAR_COST, budget=512, long_prefill=0, num_blocks=1024) -> Scheduler:
+def latency_scheduler(target_ms: float | str, cost=LINEAR_COST, budget=512, long_prefill=0, num_blocks=1024) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks), 16, True)
     config = SchedulerConfig(64, budget, 8192, long_prefill_token_threshold=long_prefill, target_itl_ms=target_ms)
     return Scheduler(config, kv, step_cost=cost)

@@ -1,6 +1,8 @@
 """Prompt chunk sizing alone: the long-prefill cap, the latency budget, the step-cost fit's input."""
 from __future__ import annotations
 
+import pytest
+
 from kvserve.config.scheduler import SchedulerConfig
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -80,3 +82,13 @@ def test_observe_step_cost_uses_the_counts_before_the_step():
                             num_scheduled_tokens={}, total_num_scheduled_tokens=0)
     observe_step_cost(cost, requests, empty, 0.01)
     assert len(cost.seen) == 1
+
+
+def test_auto_sizes_a_prompt_that_fits_the_token_budget_whole_and_counts_it_in():
+    sizer = ChunkSizer.for_step(_cfg(target_itl_ms="auto"), LinearStepCost(base=0.01, per_token=1e-3), [DECODE])
+    assert sizer.whole_up_to == 256 and sizer.latency.target_s == pytest.approx(2.2 * 0.011)
+    assert sizer.size(0, 200, budget=255) == 200          # fits one step: whole, over the 24 ms limit
+    assert sizer.latency.carried == StepFeatures.of_request(9, 1) + StepFeatures.of_request(0, 200)
+    assert sizer.size(0, 300, budget=55) == 0             # a longer one: the step is over its limit already
+    fixed = ChunkSizer.for_step(_cfg(target_itl_ms=30), LinearStepCost(base=0.01, per_token=1e-3), [DECODE])
+    assert fixed.whole_up_to == 0 and fixed.size(0, 200, budget=255) == 19   # 11 + 19 = 30 ms

@@ -11,6 +11,7 @@ from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.step_cost import MIN_PROMPT_CHUNK, LinearStepCost, StepFeatures
+from kvserve.scheduler.step_target import ITL_RATIO
 from kvserve.core_types import ModelRunnerOutput
 from tests.helpers.scheduler import LINEAR_COST, latency_scheduler, make_request
 
@@ -136,3 +137,68 @@ def test_measured_step_times_reach_the_cost_model():
     seen.clear()
     _decoders(off, 2)
     assert seen == [], "off: nothing is fitted"
+
+
+def test_auto_computes_a_prompt_that_fits_one_step_whole_beside_decodes():
+    sched = latency_scheduler(target_ms="auto")
+    _decoders(sched, 8)
+    sched.add_request(make_request("short", 400, 2))
+    out, _ = _step(sched)
+    assert out.num_scheduled_tokens["short"] == 400   # the 150-ms rule would cut it to a few dozen tokens
+    assert sum(n == 1 for n in out.num_scheduled_tokens.values()) == 8
+
+
+def test_auto_chunks_a_long_prompt_at_a_multiple_of_the_decode_step():
+    sched = latency_scheduler(target_ms="auto")
+    _decoders(sched, 8)
+    sched.add_request(make_request("long", 2000, 4))
+    long = sched.requests["long"]
+    chunks = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        decodes = sum((StepFeatures.of_request(r.num_computed_tokens, 1) for r in sched.running if r is not long),
+                      StepFeatures())
+        out, carried = _step(sched)
+        chunks.append(out.num_scheduled_tokens["long"])
+        within = LINEAR_COST.predict(carried) <= ITL_RATIO * LINEAR_COST.predict(decodes) + 1e-9
+        assert within or chunks[-1] <= MIN_PROMPT_CHUNK, chunks  # the floor: the prompt still moves
+    assert sum(chunks) == 2000 and 16 < chunks[0] < 100, chunks
+
+
+def test_auto_lifts_the_guard_for_a_prompt_that_waited_long():
+    sched = latency_scheduler(target_ms="auto")
+    _decoders(sched, 8)
+    sched.add_request(make_request("long", 2000, 4))
+    out, _ = _step(sched)
+    guarded = out.num_scheduled_tokens["long"]
+    sched.requests["long"].metrics.arrival_time -= 600.0  # waited 10 minutes: 100x its own 6 s alone
+    out, _ = _step(sched)
+    assert out.num_scheduled_tokens["long"] == 512 - 8 > 4 * guarded
+
+
+def test_auto_with_prompt_only_steps_and_long_prefill_cap():
+    sched = latency_scheduler(target_ms="auto")
+    sched.add_request(make_request("a", 1200, 2))
+    out, _ = _step(sched)
+    assert out.num_scheduled_tokens == {"a": 512}     # nobody decodes: the whole budget
+    capped = latency_scheduler(target_ms="auto", long_prefill=32)
+    _decoders(capped, 2)
+    capped.add_request(make_request("b", 300, 2))
+    out, _ = _step(capped)
+    assert out.num_scheduled_tokens["b"] == 32        # vLLM's cap still applies to a prompt that fits one step
+
+
+def test_auto_is_the_fixed_budget_exactly_while_every_prompt_fits_one_step():
+    """`mixed`'s case: no prompt longer than --max-num-batched-tokens, so auto schedules every step as the
+    fixed budget does (its throughput and TTFT are the fixed budget's)."""
+    def trace(sched: Scheduler, seed: int) -> list[dict[str, int]]:
+        rng, steps = random.Random(seed), []
+        for i in range(40):
+            sched.add_request(make_request(str(i), rng.randint(1, 512), rng.randint(1, 40), seed))
+        while sched.requests:
+            steps.append(dict(_step(sched, seconds=0.02)[0].num_scheduled_tokens))
+        return steps
+
+    for seed in range(2):
+        fixed = trace(latency_scheduler(target_ms=0, num_blocks=512), seed)
+        assert trace(latency_scheduler(target_ms="auto", num_blocks=512), seed) == fixed
+        assert trace(latency_scheduler(target_ms=150, num_blocks=512), seed) != fixed
