@@ -5,51 +5,16 @@ from __future__ import annotations
 
 import json
 import signal
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from tests.helpers.prefix_workload import greedy_answers, prefix_group_requests
 from tests.helpers.router import start_router, start_workers, wait_until
 from tests.helpers.server import start_server, stop_server
 
 EVENTS = ("--kv-events-config", '{"enable_kv_cache_events": true}')
 FAST_HEALTH = ("--health-check-interval-secs", "0.3", "--health-failure-threshold", "2",
                "--health-success-threshold", "1")
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
-
-
-def _requests() -> list[tuple[str, dict]]:
-    """52 requests: 4 groups of 8 completions sharing a long text prefix, 2 groups of 10 chats sharing a system
-    prompt (some multi-turn)."""
-    out = []
-    for g in range(4):
-        prefix = " ".join(WORDS[(g + i) % len(WORDS)] for i in range(60))
-        for r in range(8):
-            out.append(("/v1/completions", {"prompt": f"{prefix} question {r}: {WORDS[r]}", "max_tokens": 8,
-                                            "temperature": 0}))
-    for g in range(2):
-        system = {"role": "system", "content": " ".join(WORDS[(3 * g + i) % len(WORDS)] for i in range(50))}
-        for r in range(10):
-            turns = [system, {"role": "user", "content": f"tell me about {WORDS[r]}"}]
-            if r % 2:
-                turns += [{"role": "assistant", "content": WORDS[r + 1]}, {"role": "user", "content": "more"}]
-            out.append(("/v1/chat/completions", {"messages": turns, "max_tokens": 8, "temperature": 0}))
-    return out
-
-
-def _answers(base_url: str, requests: list[tuple[str, dict]]) -> list[tuple]:
-    def one(item):
-        path, body = item
-        r = httpx.post(f"{base_url}{path}", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        text = choice["text"] if "text" in choice else choice["message"]["content"]
-        return text, choice["finish_reason"], r.json()["usage"]["completion_tokens"]
-
-    with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(one, requests))
-
-
 @pytest.fixture(scope="module")
 def workers(tiny_llama, tmp_path_factory):
     servers = start_workers(tiny_llama[0], tmp_path_factory.mktemp("workers"), 2, *EVENTS)
@@ -60,7 +25,7 @@ def workers(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(workers):
-    return _answers(workers[0].base_url, _requests())
+    return greedy_answers(workers[0].base_url, prefix_group_requests())
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "power_of_two", "cache_aware", "precise"])
@@ -68,7 +33,7 @@ def test_every_policy_answers_as_one_engine(policy, workers, reference, tmp_path
     router = start_router([w.base_url for w in workers], tmp_path / "router.log", "--policy", policy)
     try:
         before = sum(w["num_requests_total"] for w in router.workers())
-        assert _answers(router.base_url, _requests()) == reference
+        assert greedy_answers(router.base_url, prefix_group_requests()) == reference
         counts = [w["num_requests_total"] for w in router.workers()]
         assert sum(counts) - before == len(reference)
         assert all(w["load"] == 0 for w in router.workers())
@@ -112,13 +77,13 @@ def test_a_killed_worker_is_routed_around_and_its_return_noticed(workers, tiny_l
         port = victim.base_url.rsplit(":", 1)[1]
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait(30)
-        requests = _requests()[:10]
-        assert _answers(router.base_url, requests) == _answers(workers[0].base_url, requests)
+        requests = prefix_group_requests()[:10]
+        assert greedy_answers(router.base_url, requests) == greedy_answers(workers[0].base_url, requests)
         wait_until(lambda: not router.workers()[1]["healthy"], 10, "the dead worker is out of rotation")
         workers[1] = start_server(tiny_llama[0], tmp_path / "back.log", "--port", port, *EVENTS, timeout=120)
         wait_until(lambda: router.workers()[1]["healthy"], 15, "the returned worker is back in rotation")
         before = router.workers()[1]["num_requests_total"]
-        _answers(router.base_url, requests)
+        greedy_answers(router.base_url, requests)
         assert router.workers()[1]["num_requests_total"] > before
     finally:
         assert router.stop() == 0, router.log()
